@@ -8,6 +8,7 @@ allowed. This module does not start anything; components read their own section.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -236,14 +237,19 @@ def _parse_scalar(text: str) -> Any:
     return value
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, defaults: dict[str, Any]) -> None:
+    """Set `a.b.c=value` in the raw tree. A missing level is seeded from the defaults, so
+    `envs.weights.swe=0.5` adds a domain to the default mapping instead of replacing it."""
     parts = dotted.split(".")
-    node = tree
+    node, dnode = tree, defaults
     for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
+        dsub = dnode.get(p) if isinstance(dnode, dict) else None
+        if p not in node:
+            node[p] = copy.deepcopy(dsub) if isinstance(dsub, dict) else {}
+        nxt = node[p]
         if not isinstance(nxt, dict):
             raise ConfigError(f"config override '{dotted}': '{p}' is not a section")
-        node = nxt
+        node, dnode = nxt, dsub if isinstance(dsub, dict) else {}
     node[parts[-1]] = value
 
 
@@ -264,7 +270,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         if "=" not in ov:
             raise ConfigError(f"config override '{ov}' must look like key.sub=value")
         k, v = ov.split("=", 1)
-        _set_dotted(data, k.strip(), _parse_scalar(v))
+        _set_dotted(data, k.strip(), _parse_scalar(v), dataclasses.asdict(RunConfig()))
     cfg = _build(RunConfig, data, "")
     validate(cfg)
     return cfg

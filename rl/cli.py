@@ -1,0 +1,128 @@
+"""The `jointrl` command line: train, eval, serve, envs, export, report.
+
+Each subcommand parses its own arguments here and then calls one function in the module that owns
+the feature (imported lazily, so `jointrl --help` is fast and a missing optional piece only
+affects its own subcommand). A subcommand whose feature is not built says so and exits 3.
+Config errors exit 2 with the message naming the key, before anything starts.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+EXIT_CONFIG = 2
+EXIT_NOT_BUILT = 3
+
+
+def _load(module: str, func: str) -> Callable | None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == module or module.startswith(e.name + ".")):
+            return None
+        raise
+    return getattr(mod, func, None)
+
+
+def _call(module: str, func: str, feature: str, *args) -> int:
+    fn = _load(module, func)
+    if fn is None:
+        print(f"jointrl: {feature} is not built yet ({module}.{func} does not exist)", file=sys.stderr)
+        return EXIT_NOT_BUILT
+    rc = fn(*args)
+    return int(rc or 0)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None, help="YAML run config (e.g. configs/quickstart.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 envs.weights.swe=0.5")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jointrl", description="Joint multi-domain RL post-training for sparse MoE LLMs.")
+    sub = parser.add_subparsers(dest="cmd", metavar="{train,eval,serve,envs,export,report}")
+
+    p = sub.add_parser("train", help="run SFT warm-start + RL from a YAML config (Ray started in-process unless RAY_ADDRESS is set)")
+    _config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on each domain's held-out split")
+    p.add_argument("checkpoint", help="checkpoint directory (HF format) or a shipped model config name")
+    p.add_argument("--config", default=None, help="YAML run config for env/rollout settings")
+    p.add_argument("--tasks-per-domain", type=int, default=8)
+    p.add_argument("--tiers", default=None, help="comma-separated thinking tiers to evaluate (low,high,max)")
+    p.add_argument("overrides", nargs="*")
+
+    p = sub.add_parser("serve", help="OpenAI-compatible /v1/chat/completions endpoint over a vLLM engine")
+    p.add_argument("model", help="checkpoint dir, or a shipped model config name (e.g. tiny: random weights)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--record-dir", default=None, help="record every request/response as token episodes here")
+
+    p = sub.add_parser("envs", help="environment registry: list | check ID | play ID", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("export", help="export a checkpoint (e.g. with MXFP4 expert weights)")
+    p.add_argument("--mxfp4", action="store_true", help="quantize weights to MXFP4 (OCP MX v1.0)")
+    p.add_argument("--include", choices=["experts", "all_linear"], default="experts")
+    p.add_argument("src", help="run dir or checkpoint dir")
+    p.add_argument("out", help="output directory")
+
+    p = sub.add_parser("report", help="write a self-contained HTML report for a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="output HTML path (default RUN_DIR/report.html)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["envs"]:  # the envs module owns its sub-subcommands and their --help
+        return _call("envs.cli", "main", "the environment CLI", argv[1:])
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return EXIT_CONFIG
+
+    from rl.config import ConfigError, load_config
+
+    # `jointrl train trainer.lr=1e-5` (no YAML): the first positional is an override, not a file.
+    if getattr(args, "config", None) and "=" in args.config and args.cmd == "train":
+        args.overrides = [args.config, *args.overrides]
+        args.config = None
+
+    try:
+        if args.cmd == "train":
+            cfg = load_config(args.config, args.overrides)
+            if args.dry_run:
+                import yaml
+
+                from rl.config import to_dict
+
+                print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+                return 0
+            return _call("rl.train", "main", "training", cfg)
+        if args.cmd == "eval":
+            cfg = load_config(args.config, args.overrides)
+            tiers = tuple(args.tiers.split(",")) if args.tiers else None
+            return _call("rl.evaluate", "main", "evaluation", cfg, args.checkpoint, args.tasks_per_domain, tiers)
+        if args.cmd == "serve":
+            return _call("rl.serve", "main", "the OpenAI-compatible server", args.model, args.host, args.port, args.record_dir)
+        if args.cmd == "export":
+            if not args.mxfp4:
+                print("jointrl export: only --mxfp4 export exists; pass --mxfp4", file=sys.stderr)
+                return EXIT_CONFIG
+            return _call("model.mxfp4_export", "main_export", "MXFP4 export", args.src, args.out, args.include)
+        if args.cmd == "report":
+            return _call("rl.report", "main", "the HTML report", args.run_dir, args.out)
+    except ConfigError as e:
+        print(f"jointrl: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    parser.error(f"unknown command {args.cmd}")
+    return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())
