@@ -1,0 +1,259 @@
+"""Tools as typed Python functions: the `@tool` decorator, OpenAI schemas, argument validation.
+
+An environment author writes a tool as a method with annotated parameters and a Google-style
+docstring (`Args:` section). `@tool` turns the signature into an OpenAI function schema (the
+same shape `transformers.utils.get_json_schema` produces, which the tests cross-check) and into a
+validator the framework runs on the model's raw JSON arguments *before* the tool is called. Every
+way the model can get a call wrong (bad JSON, not an object, missing / unexpected / wrongly typed
+arguments) comes back as a `ToolArgError` whose message is written for the model to read.
+
+A parameter annotated `ToolContext` is injected by the framework (time left, the task) and is not
+part of the schema. This module does not run tools or enforce budgets: see `envs.base.ToolEnv`.
+
+Supported annotations: str, int, float, bool, list[T], dict[str, T], Literal[...], T | None.
+Anything else is refused when the tool is defined (an author error, not a model error).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
+
+from envs.types import Task
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What the framework hands a tool that asks for it (parameter annotated `ToolContext`).
+
+    timeout_s: the time this call may take (per-tool timeout capped by the episode's time left);
+    a sandboxed tool passes it on to the sandbox so the command is killed, not just abandoned.
+    """
+
+    timeout_s: float
+    task: Task
+    turn: int
+
+
+class ToolArgError(ValueError):
+    """The model's arguments do not fit the tool's schema; the message is shown to the model."""
+
+
+class ToolDefinitionError(TypeError):
+    """The author's tool cannot be described as an OpenAI function (unsupported annotation...)."""
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool's description: its schema, how to validate arguments, and whether it ends the episode."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]  # JSON schema of the arguments object
+    ends_episode: bool
+    context_param: str | None  # name of the injected ToolContext parameter, if any
+    annotations: Mapping[str, Any]  # parameter name -> annotation (for validation)
+    required: tuple[str, ...]
+
+    def openai_schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": json.loads(json.dumps(self.parameters))}}
+
+    def parse_arguments(self, raw: str, max_chars: int) -> dict[str, Any]:
+        """Raw JSON text from the model -> validated keyword arguments, or ToolArgError."""
+        if len(raw) > max_chars:
+            raise ToolArgError(f"arguments of '{self.name}' are {len(raw)} characters; the limit is {max_chars}")
+        text = raw.strip() or "{}"  # an empty string is how some parsers write "no arguments"
+        try:
+            args = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ToolArgError(f"arguments of '{self.name}' are not valid JSON ({e.msg} at position {e.pos})") from None
+        if not isinstance(args, dict):
+            raise ToolArgError(f"arguments of '{self.name}' must be a JSON object, got {_json_type(args)}")
+        unexpected = sorted(set(args) - set(self.annotations))
+        if unexpected:
+            allowed = ", ".join(self.annotations) or "none"
+            raise ToolArgError(f"'{self.name}' got unexpected argument(s) {', '.join(unexpected)}; it takes: {allowed}")
+        missing = [p for p in self.required if p not in args]
+        if missing:
+            raise ToolArgError(f"'{self.name}' is missing required argument(s): {', '.join(missing)}")
+        return {k: _check_value(f"{self.name}.{k}", v, self.annotations[k]) for k, v in args.items()}
+
+
+# ----------------------------------------------------------------------------- the decorator
+_SPEC_ATTR = "__jointrl_tool__"
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None, ends_episode: bool = False):
+    """Mark a method as a tool. `@tool` or `@tool(ends_episode=True)` (e.g. `submit`)."""
+
+    def wrap(f: Callable) -> Callable:
+        setattr(f, _SPEC_ATTR, build_spec(f, name=name, ends_episode=ends_episode))
+        return f
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def tool_spec(fn: Callable) -> ToolSpec | None:
+    return getattr(fn, _SPEC_ATTR, None)
+
+
+def collect_tools(obj: object) -> dict[str, tuple[ToolSpec, Callable]]:
+    """The @tool methods of `obj`, bound, by tool name, in definition order (MRO, subclass first)."""
+    found: dict[str, tuple[ToolSpec, Callable]] = {}
+    for klass in type(obj).__mro__:
+        for attr, member in vars(klass).items():
+            spec = tool_spec(member) if callable(member) else None
+            if spec is not None and spec.name not in found:
+                found[spec.name] = (spec, getattr(obj, attr))
+    return found
+
+
+def build_spec(fn: Callable, *, name: str | None = None, ends_episode: bool = False) -> ToolSpec:
+    tool_name = name or fn.__name__
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", tool_name):
+        raise ToolDefinitionError(f"tool name {tool_name!r} is not a valid OpenAI function name")
+    summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
+    if not summary:
+        raise ToolDefinitionError(f"tool '{tool_name}' needs a docstring: it is the description the model reads")
+    hints = typing.get_type_hints(fn)
+    properties: dict[str, Any] = {}
+    annotations: dict[str, Any] = {}
+    required: list[str] = []
+    context_param = None
+    for pname, param in inspect.signature(fn).parameters.items():
+        if pname == "self":
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(f"tool '{tool_name}': *args / **kwargs cannot be described to the model")
+        if pname not in hints:
+            raise ToolDefinitionError(f"tool '{tool_name}': parameter '{pname}' has no type annotation")
+        tp = hints[pname]
+        if tp is ToolContext:
+            context_param = pname
+            continue
+        prop = _schema_of(tp, f"{tool_name}.{pname}")
+        if pname in arg_docs:
+            prop["description"] = arg_docs[pname]
+        properties[pname] = prop
+        annotations[pname] = tp
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    return ToolSpec(name=tool_name, description=summary, parameters=parameters, ends_episode=ends_episode,
+                    context_param=context_param, annotations=annotations, required=tuple(required))
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Google style: the text before `Args:` is the description; `name: text` lines below it."""
+    parts = re.split(r"^\s*Args:\s*$", doc, maxsplit=1, flags=re.M)
+    summary = parts[0].strip()
+    # Other sections (Returns:, Raises:) end the Args block and are not part of the description.
+    summary = re.split(r"^\s*(Returns|Raises):\s*$", summary, maxsplit=1, flags=re.M)[0].strip()
+    arg_docs: dict[str, str] = {}
+    if len(parts) == 2:
+        block = re.split(r"^\s*(Returns|Raises):\s*$", parts[1], maxsplit=1, flags=re.M)[0]
+        current = None
+        for line in block.splitlines():
+            m = re.match(r"^\s*(\w+)(\s*\([^)]*\))?:\s*(.*)$", line)
+            if m:
+                current = m.group(1)
+                arg_docs[current] = m.group(3).strip()
+            elif current and line.strip():
+                arg_docs[current] = (arg_docs[current] + " " + line.strip()).strip()
+    return summary, arg_docs
+
+
+_PRIMS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    if get_origin(tp) in (Union, types.UnionType):
+        arms = [a for a in get_args(tp) if a is not type(None)]
+        if len(arms) == 1 and len(get_args(tp)) == 2:
+            return True, arms[0]
+    return False, tp
+
+
+def _schema_of(tp: Any, where: str) -> dict[str, Any]:
+    optional, inner = _is_optional(tp)
+    if optional:
+        s = _schema_of(inner, where)
+        s["nullable"] = True  # the convention transformers' get_json_schema uses
+        return s
+    if tp in _PRIMS:
+        return {"type": _PRIMS[tp]}
+    origin = get_origin(tp)
+    if origin is Literal:
+        values = list(get_args(tp))
+        kinds = {type(v) for v in values}
+        if len(kinds) != 1 or next(iter(kinds)) not in _PRIMS:
+            raise ToolDefinitionError(f"{where}: Literal values must share one primitive type, got {values!r}")
+        return {"type": _PRIMS[next(iter(kinds))], "enum": values}
+    if origin is list:
+        (item,) = get_args(tp) or (None,)
+        if item is None:
+            raise ToolDefinitionError(f"{where}: write list[T], not a bare list")
+        return {"type": "array", "items": _schema_of(item, where + "[]")}
+    if origin is dict:
+        kt, vt = get_args(tp) or (None, None)
+        if kt is not str:
+            raise ToolDefinitionError(f"{where}: only dict[str, T] can be described (JSON keys are strings)")
+        return {"type": "object", "additionalProperties": _schema_of(vt, where + "{}")}
+    raise ToolDefinitionError(f"{where}: annotation {tp!r} is not supported (use str/int/float/bool/list/dict/Literal/Optional)")
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
+
+
+def _check_value(where: str, v: Any, tp: Any) -> Any:
+    """Validate a decoded JSON value against an annotation; ints widen to float; no other coercion."""
+    optional, inner = _is_optional(tp)
+    if optional:
+        return None if v is None else _check_value(where, v, inner)
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if not any(v == a and type(v) is type(a) for a in allowed):
+            raise ToolArgError(f"argument '{where}' must be one of {', '.join(json.dumps(a) for a in allowed)}, got {json.dumps(v)[:80]}")
+        return v
+    if origin is list:
+        if not isinstance(v, list):
+            raise ToolArgError(f"argument '{where}' must be an array, got {_json_type(v)}")
+        (item,) = get_args(tp)
+        return [_check_value(f"{where}[{i}]", x, item) for i, x in enumerate(v)]
+    if origin is dict:
+        if not isinstance(v, dict):
+            raise ToolArgError(f"argument '{where}' must be an object, got {_json_type(v)}")
+        _, vt = get_args(tp)
+        return {k: _check_value(f"{where}.{k}", x, vt) for k, x in v.items()}
+    expected = _PRIMS[tp]
+    ok = {
+        "string": isinstance(v, str),
+        "integer": isinstance(v, int) and not isinstance(v, bool),
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "boolean": isinstance(v, bool),
+    }[expected]
+    if not ok:
+        raise ToolArgError(f"argument '{where}' must be {expected}, got {_json_type(v)}")
+    return float(v) if tp is float else v

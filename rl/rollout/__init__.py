@@ -1,0 +1,1 @@
+"""vLLM rollout engines, workers and the dispatcher (see docs/rollout.md)."""

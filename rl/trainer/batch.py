@@ -1,0 +1,111 @@
+"""Collate episodes into padded training tensors.
+
+Token convention: position t of `input_ids_BT` is predicted by the logits at t-1, so every
+per-token quantity here (loss mask, rollout logprobs, advantages) is indexed by the *target*
+token and the first column is never trained. Padding is on the right with `pad_id`; padded
+positions have loss_mask 0 and attention_mask 0. This module does not compute advantages: it
+receives one scalar (outcome) advantage per episode, or a per-token tensor, from rl.algos.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rl.types import Episode
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    input_ids_BT: torch.Tensor  # long
+    attention_mask_BT: torch.Tensor  # long, 1 on real tokens
+    loss_mask_BT: torch.Tensor  # float, 1 on policy-generated target tokens
+    rollout_logprobs_BT: torch.Tensor  # float, engine logprob of each generated token (0 elsewhere)
+    advantages_BT: torch.Tensor  # float, advantage broadcast on generated tokens
+    group_ids_B: torch.Tensor  # long
+    domain_ids_B: torch.Tensor  # long
+    domains: tuple[str, ...]  # domain_ids index into this
+    rewards_B: torch.Tensor  # float
+    old_logprobs_BT: torch.Tensor | None = None  # trainer's logprobs under the policy that generated (set by trainer)
+    ref_logprobs_BT: torch.Tensor | None = None
+    routed_experts_BTLK: torch.Tensor | None = None  # long [B, T, L, k] expert ids to replay, -1 on padding
+    values_BT: torch.Tensor | None = None
+    returns_BT: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids_BT.shape[0])
+
+    def select(self, idx: Sequence[int] | slice) -> "TrainBatch":
+        """Rows `idx` of every tensor (for micro-batching)."""
+        def take(x):
+            if x is None or not isinstance(x, torch.Tensor):
+                return x
+            return x[idx] if isinstance(idx, slice) else x[torch.as_tensor(list(idx), dtype=torch.long)]
+        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f != "domains"}
+        return TrainBatch(domains=self.domains, **kw)
+
+    def with_(self, **kw) -> "TrainBatch":
+        return replace(self, **kw)
+
+
+def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_id: int = 0,
+            domains: Sequence[str] | None = None, group_index: dict[str, int] | None = None) -> TrainBatch:
+    """Pad `episodes` into a TrainBatch; `advantages_B[i]` is broadcast over episode i's generated tokens."""
+    if len(episodes) != len(advantages_B):
+        raise ValueError(f"collate: {len(episodes)} episodes but {len(advantages_B)} advantages")
+    if not episodes:
+        raise ValueError("collate: empty batch")
+    doms = tuple(domains) if domains is not None else tuple(sorted({e.domain for e in episodes}))
+    gidx = dict(group_index) if group_index is not None else {}
+    B = len(episodes)
+    T = max(len(e.token_ids) for e in episodes)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    lmask = torch.zeros((B, T), dtype=torch.float32)
+    rlp = torch.zeros((B, T), dtype=torch.float32)
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    routes = None
+    if all(e.routed_experts is not None for e in episodes):
+        shapes = {np.asarray(e.routed_experts).shape[1:] for e in episodes}
+        if len(shapes) == 1:
+            (LK,) = shapes
+            routes = torch.full((B, T, *LK), -1, dtype=torch.long)
+    for i, e in enumerate(episodes):
+        n = len(e.token_ids)
+        if not (len(e.loss_mask) == len(e.rollout_logprobs) == n):
+            raise ValueError(f"collate: episode {e.task_id} has ragged token/mask/logprob lengths")
+        ids[i, :n] = torch.as_tensor(e.token_ids, dtype=torch.long)
+        attn[i, :n] = 1
+        m = torch.as_tensor(e.loss_mask, dtype=torch.float32)
+        m[0] = 0.0  # the first token has no prediction
+        lmask[i, :n] = m
+        rlp[i, :n] = torch.as_tensor(e.rollout_logprobs, dtype=torch.float32) * m
+        adv[i, :n] = float(advantages_B[i]) * m
+        if routes is not None:
+            r = torch.as_tensor(np.asarray(e.routed_experts), dtype=torch.long)
+            routes[i, : r.shape[0]] = r
+        gidx.setdefault(e.group_id, len(gidx))
+    return TrainBatch(
+        input_ids_BT=ids,
+        attention_mask_BT=attn,
+        loss_mask_BT=lmask,
+        rollout_logprobs_BT=rlp,
+        advantages_BT=adv,
+        group_ids_B=torch.as_tensor([gidx[e.group_id] for e in episodes], dtype=torch.long),
+        domain_ids_B=torch.as_tensor([doms.index(e.domain) for e in episodes], dtype=torch.long),
+        domains=doms,
+        rewards_B=torch.as_tensor([e.reward for e in episodes], dtype=torch.float32),
+        routed_experts_BTLK=routes,
+    )
+
+
+def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Logprob of each target token, aligned to targets: out[:, t] = log p(x_t | x_<t); out[:, 0] = 0."""
+    logp = torch.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
+    tgt = input_ids_BT[:, 1:].unsqueeze(-1)
+    out = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=logits_BTV.device)
+    out[:, 1:] = logp.gather(-1, tgt).squeeze(-1)
+    return out

@@ -1,0 +1,280 @@
+"""`PolicyTrainer`: one DeepSpeed engine around a causal-LM MoE policy.
+
+What it does: load a HF checkpoint (the project's HybridMoe or any HF MoE), wrap it in DeepSpeed
+(ZeRO 0-3 from the spec; gloo on CPU, NCCL on GPU), compute old-policy logprobs (recording the
+routes it used, for R2 replay), run RL steps with an injected objective (rl/objective.py; the math
+lives in rl/algos), run SFT steps, export weights for sync, save and resume.
+
+What it does not do: sample, grade, compute advantages, or talk to rollout workers; the driver
+(rl/train.py) does, and passes tensors in. The class is plain Python so tests run it in-process;
+rl/trainer/actor.py wraps it as a Ray actor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from rl.log import get_logger
+from rl.trainer.batch import TrainBatch, token_logprobs
+
+log = get_logger("trainer")
+
+Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What the trainer needs from the run config (kept small so tests can build one by hand)."""
+
+    zero_stage: int = 1
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 4
+    dtype: str = "float32"
+    seed: int = 0
+    routing_replay: str = "auto"  # auto | r3 | r2 | off
+    freeze_router_bias: bool = True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
+    """Bring up torch.distributed the way DeepSpeed expects, without a launcher (FACTS.md)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", "0" if not torch.cuda.is_available() else str(rank % max(1, torch.cuda.device_count())))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(master_port or _free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def load_policy(model_dir: str | os.PathLike[str], dtype: str = "float32") -> torch.nn.Module:
+    """Load any causal LM checkpoint; `import model` registers the project's HybridMoe with the Auto classes."""
+    import model  # noqa: F401  (registers hybrid_moe)
+    from transformers import AutoModelForCausalLM
+
+    td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=td)
+    m.config.use_cache = False
+    return m
+
+
+def supports_routing_replay(m: torch.nn.Module) -> bool:
+    return getattr(m.config, "model_type", "") == "hybrid_moe"
+
+
+class PolicyTrainer:
+    def __init__(self, model_dir: str | os.PathLike[str], spec: TrainerSpec, objective: Objective | None = None,
+                 rank: int = 0, world_size: int = 1, master_port: int | None = None, total_steps: int = 1000) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        import deepspeed
+
+        torch.manual_seed(spec.seed + rank)
+        self.spec = spec
+        self.objective = objective
+        self.rank = rank
+        init_distributed(rank, world_size, master_port=master_port)
+        self.model_dir = str(model_dir)
+        module = load_policy(model_dir, spec.dtype)
+        self.replay_supported = supports_routing_replay(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            # The driver decides how many micro-batches make one optimizer step (dynamic sampling
+            # changes batch sizes); step() is the accumulation boundary.
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": spec.grad_clip,
+            "zero_optimization": {"stage": spec.zero_stage},
+            "bf16": {"enabled": spec.dtype == "bfloat16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        warm = max(0, spec.warmup_steps)
+
+        def lr_lambda(step: int) -> float:
+            return min(1.0, (step + 1) / warm) if warm else 1.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.step_count = 0
+        self.version = 0
+
+    # ------------------------------------------------------------------ forward helpers
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def _forward(self, batch: TrainBatch, *, replay: torch.Tensor | None, record: bool, router_logits: bool):
+        kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT)
+        if router_logits:
+            kw["output_router_logits"] = True
+        if self.replay_supported:
+            if replay is not None:
+                kw["routed_experts"] = replay
+            if record:
+                kw["return_routed_experts"] = True
+        return self.engine(**kw)
+
+    def routing_mode(self, batch: TrainBatch) -> str:
+        mode = self.spec.routing_replay
+        if not self.replay_supported or mode == "off":
+            return "off"
+        if mode in ("auto", "r3") and batch.routed_experts_BTLK is not None:
+            return "r3"
+        if mode == "r3":
+            return "off"  # asked for R3 but the engine gave no routes; driver logs it
+        return "r2"
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Old-policy logprobs [B, T] and (when R2 replay applies) the routes used [B, T, L, k]."""
+        self.engine.eval()
+        mode = self.routing_mode(batch)
+        out_lp, out_routes = [], []
+        for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
+            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+            replay = mb.routed_experts_BTLK if mode == "r3" else None
+            out = self._forward(mb, replay=replay, record=(mode == "r2"), router_logits=False)
+            out_lp.append(token_logprobs(out.logits, mb.input_ids_BT))
+            if mode == "r2":
+                out_routes.append(out.routed_experts)
+        self.engine.train()
+        lp = torch.cat(out_lp)
+        routes = torch.cat(out_routes) if out_routes else None
+        return lp, routes
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step of the RL objective over the whole batch (micro-batched)."""
+        if self.objective is None:
+            raise RuntimeError("PolicyTrainer.train_step needs an objective")
+        t0 = time.perf_counter()
+        self.engine.train()
+        mode = self.routing_mode(batch)
+        B = batch.num_seqs
+        metrics: dict[str, float] = {}
+        n_mb = 0
+        for s in range(0, B, self.spec.micro_batch_size):
+            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+            replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
+            out = self._forward(mb, replay=replay, record=False, router_logits=True)
+            lp = token_logprobs(out.logits, mb.input_ids_BT)
+            loss, m = self.objective(lp, mb, getattr(out, "router_logits", None), getattr(out, "extra_losses", None))
+            # Each micro-batch's loss is its share of the whole-batch objective (weight = sequence share).
+            weight = mb.num_seqs / B
+            self.engine.backward(loss * weight, scale_wrt_gas=False)
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) * weight
+            n_mb += 1
+        self.engine.step()
+        grad_norm = self._grad_norm()
+        self.step_count += 1
+        self.version += 1
+        metrics.update({
+            "train/grad_norm": grad_norm,
+            "train/lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.spec.lr,
+            "train/micro_batches": float(n_mb),
+            "train/step_s": time.perf_counter() - t0,
+            "train/tokens": float(batch.attention_mask_BT.sum()),
+            "train/routing_replay_" + mode: 1.0,
+        })
+        return metrics
+
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Supervised step: mean NLL of the loss-masked (assistant) tokens."""
+        self.engine.train()
+        B = batch.num_seqs
+        total_tokens = float(batch.loss_mask_BT.sum().clamp_min(1))
+        nll_sum = 0.0
+        for s in range(0, B, self.spec.micro_batch_size):
+            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+            out = self._forward(mb, replay=None, record=False, router_logits=False)
+            lp = token_logprobs(out.logits, mb.input_ids_BT)
+            loss = -(lp * mb.loss_mask_BT).sum() / total_tokens
+            aux = getattr(out, "aux_loss", None)
+            if aux is not None:
+                loss = loss + float(getattr(self.module.config, "router_aux_loss_coef", 0.0)) * aux * (mb.num_seqs / B)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            nll_sum += float(loss.detach())
+        self.engine.step()
+        grad_norm = self._grad_norm()
+        self.step_count += 1
+        self.version += 1
+        return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm}
+
+    def _grad_norm(self) -> float:
+        """Pre-clipping global grad norm of the step just taken (DeepSpeed computes it across ranks)."""
+        g = self.engine.get_global_grad_norm()
+        return float(g) if g is not None else float("nan")
+
+    # ------------------------------------------------------------------ weights & checkpoints
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (gathered) parameters and buffers by trainer name, on CPU, for weight sync."""
+        import deepspeed
+
+        for name, p in self.module.named_parameters():
+            if self.spec.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    yield name, p.detach().cpu().clone()
+            else:
+                yield name, p.detach().cpu()
+        for name, b in self.module.named_buffers():
+            if b is not None and b.is_floating_point():
+                yield name, b.detach().cpu()
+
+    def save_hf(self, out_dir: str | os.PathLike[str]) -> str:
+        """A HF checkpoint (config + safetensors) of the current weights: what rollout engines load."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.spec.zero_stage == 3:
+            sd = dict(self.named_weights())
+            self.module.save_pretrained(out, state_dict=sd)
+        else:
+            self.module.save_pretrained(out)
+        self._copy_tokenizer(out)
+        return str(out)
+
+    def _copy_tokenizer(self, out: Path) -> None:
+        import shutil
+
+        src = Path(self.model_dir)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
+            if (src / f).exists() and not (out / f).exists():
+                shutil.copy(src / f, out / f)
+
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], client_state: dict | None = None) -> None:
+        state = dict(client_state or {})
+        state.update({"step_count": self.step_count, "version": self.version, "torch_rng": torch.get_rng_state()})
+        self.engine.save_checkpoint(str(ckpt_dir), tag="latest", client_state=state)
+        (Path(ckpt_dir) / "trainer_meta.json").write_text(json.dumps({"step_count": self.step_count, "version": self.version}))
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict:
+        _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="latest")
+        state = state or {}
+        self.step_count = int(state.get("step_count", 0))
+        self.version = int(state.get("version", 0))
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        return state
