@@ -30,3 +30,4 @@ def _try(domain: str, target: str) -> None:
 
 def register_all() -> None:
     _try("terminal", "envs.terminal:register")
+    _try("browse", "envs.browse:register")

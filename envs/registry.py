@@ -170,7 +170,7 @@ def tasks(env_id: str, split: str, seed: int = 0, n: int | None = None, *, use_c
     rows = [t.to_row() for t in generate_tasks(env_id, split, seed, n)]
     ds = datasets.Dataset.from_list(rows, features=_FEATURES()) if rows else datasets.Dataset.from_dict(
         {k: [] for k in _ROW_KEYS}, features=_FEATURES())
-    if use_cache:
+    if use_cache and len(ds):  # datasets cannot reload an empty saved set; an empty one is free to rebuild
         path.parent.mkdir(parents=True, exist_ok=True)
         # Write next to the target and rename: concurrent processes never see a half-written set.
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp", dir=path.parent))

@@ -35,8 +35,12 @@ Format (own design, in the family of ChatML / Qwen / Hermes tool calling):
         [\n if content]<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>[\n<tool_call>...]<|im_end|>\n
     <|im_start|>tool\n<tool_response>\n{result}\n</tool_response><|im_end|>\n
 
-The generation prompt is `<|im_start|>assistant\n<think>\n`: the model always starts in its
-thinking block (an empty block is how "no thinking" looks). Earlier turns keep their reasoning in
+The generation prompt is `<|im_start|>assistant\n<think>`: the model always starts in its
+thinking block (an empty block is how "no thinking" looks). It stops right after the special
+token, without the newline, so that every boundary between prompt text and generated text sits
+just after a special token: then encoding the pieces separately gives the same ids as encoding
+the whole conversation (BPE pre-tokenisation never merges across a special token, but would merge
+a prompt's trailing "\n" with a generated leading "\n"). Earlier turns keep their reasoning in
 full: the seed articles require the complete history of thinking and tool calls in every request.
 """
 from __future__ import annotations
@@ -96,7 +100,7 @@ REASONING_END_STR = THINK_END_TOKEN
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
 
 ASSISTANT_HEADER = f"{IM_START_TOKEN}assistant\n"
-GENERATION_PROMPT = f"{ASSISTANT_HEADER}{THINK_START_TOKEN}\n"
+GENERATION_PROMPT = f"{ASSISTANT_HEADER}{THINK_START_TOKEN}"
 
 # Fixed text of the tools section of the system prompt (own wording). The Jinja template below
 # spells the same text; the tests compare the two renderers, so drift is caught.
@@ -195,7 +199,7 @@ CHAT_TEMPLATE = r"""{#- jointrl chat format. Python twin: model/chat.py (render)
     {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n<think>\n' -}}
+    {{- '<|im_start|>assistant\n<think>' -}}
 {%- endif -%}
 """
 
@@ -284,7 +288,7 @@ def render_message(message: Message, *, where: str = "message") -> str:
     if m.role == "tool":
         return f"{IM_START_TOKEN}tool\n{TOOL_RESPONSE_START_TOKEN}\n{text}\n{TOOL_RESPONSE_END_TOKEN}{IM_END_TOKEN}\n"
     reasoning = m.reasoning or ""
-    out = [f"{GENERATION_PROMPT}{reasoning}\n{THINK_END_TOKEN}\n\n{text}"]
+    out = [f"{GENERATION_PROMPT}\n{reasoning}\n{THINK_END_TOKEN}\n\n{text}"]
     for i, call in enumerate(m.tool_calls):
         if text or i > 0:
             out.append("\n")
@@ -458,8 +462,8 @@ def parse_assistant(text: str, turn: int = 0) -> ParsedAssistant:
         body = body[len(ASSISTANT_HEADER) :]
     if body.startswith(THINK_START_TOKEN):
         body = body[len(THINK_START_TOKEN) :]
-        if body.startswith("\n"):
-            body = body[1:]
+    if body.startswith("\n"):  # the rendered newline after <think>
+        body = body[1:]
     end = body.find(IM_END_TOKEN)
     ended = end >= 0
     if ended:
@@ -554,7 +558,7 @@ def parse_conversation(text: str) -> ParsedConversation:
         end = text.find(IM_END_TOKEN, nl)
         if role == "assistant" and end < 0:
             rest = text[nl + 1 :]
-            if rest == f"{THINK_START_TOKEN}\n":
+            if rest == THINK_START_TOKEN:
                 gen_prompt = True
             else:  # an unfinished generation: parse what is there
                 turn += 1

@@ -26,14 +26,17 @@ VLLM_CPU_HEAD_DIMS = (64, 128)
 
 
 def default_layer_types(num_hidden_layers: int, delta_per_dsa: int = 3) -> list[str]:
-    """The seed's schedule: `delta_per_dsa` delta layers then one DSA layer, repeated; a trailing
-    partial group is all delta. 93 layers with 3:1 -> 23 x (3 + 1) + 1 = 69 delta + 24 DSA."""
+    """The seed's schedule: groups of `delta_per_dsa` delta layers then one DSA layer; when the layer count is not
+    a multiple of the group size, the last layer is also DSA (the stack ends on a global-retrieval layer).
+    93 layers with 3:1 -> 23 x (3 + 1) + 1 = 69 delta + 24 DSA."""
     if num_hidden_layers < 1:
         raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
     if delta_per_dsa < 0:
         raise ValueError(f"delta_per_dsa must be >= 0, got {delta_per_dsa}")
     period = delta_per_dsa + 1
-    return [INDEXED_ATTENTION if (i + 1) % period == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)]
+    types = [INDEXED_ATTENTION if (i + 1) % period == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)]
+    types[-1] = INDEXED_ATTENTION
+    return types
 
 
 class HybridMoeConfig(PreTrainedConfig):

@@ -42,8 +42,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, base: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim, self.base = rotary_dim, base
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self) -> torch.Tensor:
+        # also called from `_init_weights`: from_pretrained builds modules on the meta device, so non-persistent
+        # buffers must be recomputed there
+        return 1.0 / (self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
 
     @torch.no_grad()
     def forward(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,16 +90,24 @@ def visible_mask(T: int, S: int, key_padding_BS: torch.Tensor | None, device) ->
 
 
 def topk_selection(scores_BTS: torch.Tensor, visible_BTS: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool [B, T, S]: for each query the k visible keys with the highest score (all visible ones if fewer)."""
+    """Bool [B, T, S]: for each query the k visible keys with the highest score (all visible ones if fewer).
+
+    Ties at the k-th score go to the most recent keys. The rule must be deterministic: ReLU makes exact-zero
+    scores common, and a prefill (all queries at once) and a decode step (one query) must pick the same set.
+    """
     if k < 1:
         raise ValueError(f"top-k must be >= 1, got {k}")
     S = scores_BTS.shape[-1]
+    visible_BTS = visible_BTS.expand_as(scores_BTS)
     if k >= S:
-        return visible_BTS.expand_as(scores_BTS).clone()
+        return visible_BTS.clone()
     masked = scores_BTS.masked_fill(~visible_BTS, float("-inf"))
-    idx_BTK = masked.topk(k, dim=-1).indices
-    sel = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, idx_BTK, True)
-    return sel & visible_BTS  # a query with < k visible keys may have picked -inf (invisible) ones: drop them
+    kth_BT1 = masked.topk(k, dim=-1).values[..., -1:]
+    above = (masked > kth_BT1) & visible_BTS
+    tie = (masked == kth_BT1) & visible_BTS
+    quota_BT1 = k - above.sum(-1, keepdim=True)
+    ties_from_end = tie.flip(-1).cumsum(-1).flip(-1)  # number of tied keys at positions >= s
+    return above | (tie & (ties_from_end <= quota_BT1))
 
 
 def indexer_kl_loss(attn_probs_BHTS: torch.Tensor, index_scores_BTS: torch.Tensor, support_BTS: torch.Tensor,
@@ -215,8 +228,9 @@ class GatedIndexedAttention(nn.Module):
         """Sparse attention that reads only the k selected keys per query: cost O(T * k) instead of O(T * S)."""
         B, H, T, Dh = q_BHTD.shape
         Hkv, G, K = self.num_kv_heads, self.groups, self.index_topk
-        idx_BTK = scores_BTS.masked_fill(~visible_BTS, float("-inf")).topk(K, dim=-1).indices
-        valid_BTK = visible_BTS.expand(B, T, -1).gather(-1, idx_BTK)
+        sel_BTS = topk_selection(scores_BTS, visible_BTS, K)
+        idx_BTK = sel_BTS.to(torch.int8).topk(K, dim=-1).indices  # the (at most K) selected positions, any order
+        valid_BTK = sel_BTS.gather(-1, idx_BTK)
         gidx = idx_BTK.reshape(B, 1, T * K, 1).expand(B, Hkv, T * K, Dh)
         k_sel = k_BHSD.gather(2, gidx).view(B, Hkv, T, K, Dh)
         v_sel = v_BHSD.gather(2, gidx).view(B, Hkv, T, K, Dh)

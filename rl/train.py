@@ -35,17 +35,23 @@ def compute_advantages(groups: list[RolloutGroup], name: str, norm_std: bool = T
 
 
 def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[RolloutGroup], dict[str, float]]:
-    """Drop groups whose samples all got the same reward (no learning signal), per DAPO; report per domain."""
-    from rl.algos.dynamic_sampling import zero_variance_groups
+    """Drop groups whose samples all got the same reward (no learning signal, per DAPO); report per domain."""
+    from rl.algos import zero_variance_groups
 
-    flags = zero_variance_groups([g.rewards for g in groups])
+    domains = sorted({g.domain for g in groups})
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+    gids = torch.tensor([i for i, g in enumerate(groups) for _ in g.episodes], dtype=torch.long)
+    dids = torch.tensor([domains.index(g.domain) for g in groups for _ in g.episodes], dtype=torch.long)
+    keep_B, _ = zero_variance_groups(rewards, gids, dids, domain_names=dict(enumerate(domains)))
+    first = {int(g): i for i, g in reversed(list(enumerate(gids.tolist())))}
+    has_signal = [bool(keep_B[first[i]]) for i in range(len(groups))]
     metrics: dict[str, float] = {}
-    for d in sorted({g.domain for g in groups}):
+    for d in domains:
         idx = [i for i, g in enumerate(groups) if g.domain == d]
-        metrics[f"rollout/zero_var_frac/{d}"] = sum(flags[i] for i in idx) / len(idx)
+        metrics[f"rollout/zero_var_frac/{d}"] = sum(not has_signal[i] for i in idx) / len(idx)
     if mode == "off":
         return groups, metrics
-    kept = [g for g, z in zip(groups, flags) if not z]
+    kept = [g for g, s in zip(groups, has_signal) if s]
     metrics["rollout/groups_kept"] = float(len(kept))
     return kept, metrics
 

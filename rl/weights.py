@@ -40,6 +40,9 @@ _FAMILY = {
     "minimax": "mixtral",
 }
 _NAMES = {"qwen2_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+# Module renames between transformers-5 memory and the checkpoint: Mixtral's MoE block is `mlp` in
+# memory but `block_sparse_moe` on disk (router `gate` and experts alike).
+_RENAMES = {"mixtral": ((re.compile(r"\.mlp\.(gate|experts)(?=\.|$)"), r".block_sparse_moe.\1"),), "qwen2_moe": ()}
 
 _FUSED_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _LAYER_RE = re.compile(r"^(?P<unit>.*?\.layers\.\d+)\.")
@@ -77,10 +80,14 @@ def to_checkpoint_format(
     Tensors are detached, made contiguous and optionally cast to `dtype`; views are fine (no copy
     unless needed).
     """
-    gate_n, up_n, down_n = _NAMES[expert_family(model_type)]
+    family = expert_family(model_type)
+    gate_n, up_n, down_n = _NAMES[family]
+    renames = _RENAMES[family]
     out: dict[str, torch.Tensor] = {}
 
     def put(name: str, t: torch.Tensor) -> None:
+        for pattern, repl in renames:
+            name = pattern.sub(repl, name)
         t = t.detach()
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
@@ -182,3 +189,36 @@ def make_buckets(
 
 def total_bytes(buckets: Iterable[WeightBucket]) -> int:
     return sum(b.num_bytes for b in buckets)
+
+
+_SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def export_buckets(
+    module: torch.nn.Module,
+    named_weights: Iterable[tuple[str, torch.Tensor]],
+    bucket_mb: float = 64.0,
+    fmt: str = "fp32",
+) -> list[WeightBucket]:
+    """What a trainer sends to rollout engines: its (gathered, CPU) weights as checkpoint-format buckets.
+
+    `module` supplies the config (model_type, tied embeddings) and the set of persistent names:
+    non-persistent buffers (e.g. rotary `inv_freq`) are not part of a checkpoint and are dropped.
+    `fmt`: "fp32" or "bf16" (cast before sending). MXFP4 sync is not supported by vLLM's loaders for
+    these architectures and is refused.
+    """
+    if fmt not in _SYNC_DTYPES:
+        raise WeightSyncError(f"sync format {fmt!r} is not supported here; use one of {sorted(_SYNC_DTYPES)}")
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise WeightSyncError(f"export_buckets: {type(module).__name__} has no .config (need model_type / tie_word_embeddings)")
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    persistent = set(module.state_dict().keys())
+    kept = {n: t for n, t in named_weights if n in persistent}
+    return make_buckets(
+        kept,
+        cfg.model_type,
+        bucket_mb,
+        tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
+        dtype=_SYNC_DTYPES[fmt],
+    )

@@ -50,8 +50,17 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _generator_fingerprint() -> str:
+    """Hash of the generator's source: editing it invalidates cached corpora (no stale question sets)."""
+    h = hashlib.sha256()
+    for name in ("synth.py", "corpus.py", "render.py", "index.py"):
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:8]
+
+
 def synth_key(num_pages: int, seed: int, num_questions: int | None) -> str:
-    return f"synth-v{GENERATOR_VERSION}-p{num_pages}-s{seed}-q{num_questions if num_questions is not None else 'auto'}"
+    q = num_questions if num_questions is not None else "auto"
+    return f"synth-v{GENERATOR_VERSION}-{_generator_fingerprint()}-p{num_pages}-s{seed}-q{q}"
 
 
 def load_or_build(num_pages: int = DEFAULT_PAGES, seed: int = 0, num_questions: int | None = None,

@@ -36,8 +36,9 @@ class Page:
 class Question:
     """One research question with its recorded evidence path (for the grader and the reference agent).
 
-    `evidence` lists the page paths an agent must read, in order; `relations` names the link
-    followed from each page to the next (len(evidence) - 1 of them); the answer is printed on
+    `evidence` lists the page paths an agent must read, in order; `relations` gives, for each page
+    but the last, the label of the row whose link leads to the next page (``Creator``, shown as
+    ``Creator: [Name][n]``); the answer is printed on
     `evidence[-1]` in the row labelled `answer_field`. `hops` == len(evidence): the number of
     pages on the path. `candidates` are plausible wrong answers of the same kind (for the answer
     stuffing check); `injected` says whether a page on the path carries a prompt injection.

@@ -5,7 +5,8 @@ Routes: ``GET <page path>`` -> the page's HTML (404 if absent); ``GET /search?q=
 The server binds 127.0.0.1 on a port the OS picks and answers each request on a bounded thread
 pool (HTTP/1.0, one request per connection, socket timeout), so a burst of concurrent episodes
 queues in the kernel backlog instead of spawning unbounded threads. `shared_server(built)` starts
-one server per corpus per process, shared by every episode, closed at interpreter exit.
+one server per corpus per process — in a child process, off the GIL of the episode threads —
+shared by every episode, stopped at interpreter exit (and when its parent dies).
 
 `BrowseClient` is the host-side fetcher the tools use (plain `http.client`, so proxy environment
 variables can never route loopback traffic elsewhere). The agent never talks to the server: its
@@ -17,6 +18,7 @@ import atexit
 import http.client
 import ipaddress
 import json
+import multiprocessing
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,27 +105,90 @@ class _PooledServer(HTTPServer):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _child_main(corpus: Corpus, index_path: str, host: str, port: int, max_workers: int, max_pending: int,
+                conn) -> None:
+    """Body of the server process: serve until the parent says stop or goes away (pipe EOF)."""
+    try:
+        srv = _PooledServer((host, port), corpus, SearchIndex(index_path), max_workers, max_pending)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", srv.server_address[:2]))
+
+    def watch_parent() -> None:
+        try:
+            conn.recv()  # "stop", or EOFError when the parent process dies: no orphaned servers
+        except (EOFError, OSError):
+            pass
+        srv.shutdown()
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    srv.serve_forever(poll_interval=0.2)
+    srv.server_close()
+
+
 class BrowseServer:
-    """A started HTTP server for one corpus. Use as a context manager, or `shared_server` per process."""
+    """A started HTTP server for one corpus. Use as a context manager, or `shared_server` per process.
+
+    process=True runs the server in its own (spawned) process: request handling then never competes
+    for the GIL with the threads that step episodes, which matters with dozens of concurrent
+    episodes (see docs/browse.md for the measured difference). The corpus object is pickled to the
+    child, so it must be picklable (DiskCorpus and DirectoryCorpus are). process=False serves from
+    a thread of this process (any corpus; used by unit tests).
+    """
 
     def __init__(self, corpus: Corpus, index: SearchIndex, host: str = "127.0.0.1", port: int = 0,
-                 max_workers: int = 16, max_pending: int = 128):
+                 max_workers: int = 8, max_pending: int = 128, process: bool = False, start_timeout_s: float = 60.0):
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"BrowseServer binds loopback only; refusing host {host!r}")
-        self._srv = _PooledServer((host, port), corpus, index, max_workers, max_pending)
-        self.host, self.port = self._srv.server_address[:2]
-        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name=f"browse-server:{self.port}", daemon=True)
-        self._thread.start()
+        if max_workers < 1 or max_pending < max_workers:
+            raise ValueError(f"need 1 <= max_workers <= max_pending, got {max_workers}, {max_pending}")
         self.closed = False
+        self.process = None
+        self._srv = None
+        self._thread = None
+        self.max_workers = max_workers
+        if process:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads / engines
+            self._conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=_child_main, name="browse-server", daemon=True,
+                                       args=(corpus, str(index.db_path), host, port, max_workers, max_pending, child))
+            self.process.start()
+            child.close()
+            if not self._conn.poll(start_timeout_s):
+                self.close()
+                raise RuntimeError(f"browse server process did not start within {start_timeout_s} s")
+            status, payload = self._conn.recv()
+            if status != "ok":
+                self.close()
+                raise RuntimeError(f"browse server process failed to start: {payload}")
+            self.host, self.port = payload
+        else:
+            self._srv = _PooledServer((host, port), corpus, index, max_workers, max_pending)
+            self.host, self.port = self._srv.server_address[:2]
+            self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
+                                            name=f"browse-server:{self.port}", daemon=True)
+            self._thread.start()
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        if self.closed:
+            return
+        self.closed = True
+        if self.process is not None:
+            try:
+                self._conn.send("stop")
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout=5)
+            if self.process.is_alive():  # our own child, by handle
+                self.process.terminate()
+                self.process.join(timeout=5)
+            self._conn.close()
+        if self._srv is not None:
             self._srv.shutdown()
             self._srv.server_close()
             self._thread.join(timeout=5)
@@ -140,12 +205,12 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared_server(built: BuiltCorpus) -> BrowseServer:
-    """The one server of this process for `built` (started on first call)."""
+    """The one server of this process for `built`, in its own process (started on first call)."""
     key = str(built.index_path.resolve())
     with _SHARED_LOCK:
         srv = _SHARED.get(key)
         if srv is None or srv.closed:
-            srv = BrowseServer(built.corpus, SearchIndex(built.index_path))
+            srv = BrowseServer(built.corpus, SearchIndex(built.index_path), process=True)
             _SHARED[key] = srv
         return srv
 

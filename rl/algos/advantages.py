@@ -130,7 +130,11 @@ def grpo_advantages_B(rewards_B: Tensor, group_ids_B: Tensor, *, norm_std: bool 
     centered_B = rewards_B - mean_G[inv_B]
     var_G = segment_sum(centered_B * centered_B, inv_B, n) / (count_G - 1).clamp(min=1)
     std_G = var_G.sqrt()
-    adv_B = centered_B / (std_G[inv_B] + eps) if norm_std else centered_B
+    if not eps >= 0:
+        raise ValueError(f"eps={eps} must be >= 0")
+    denom_B = std_G[inv_B] + eps
+    # a zero-variance group has centered == 0: keep 0 even with eps == 0 (no 0/0)
+    adv_B = torch.where(denom_B > 0, centered_B / denom_B.clamp(min=torch.finfo(denom_B.dtype).tiny), centered_B) if norm_std else centered_B
     metrics = {
         "adv/num_groups": float(n),
         "adv/zero_std_group_frac": float((std_G == 0).float().mean()),
@@ -159,26 +163,57 @@ def rloo_advantages_B(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, M
 
 
 # ----------------------------------------------------------------------------- token-level returns
-def _reverse_scan(rewards_BT: Tensor, values_BT: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
-    """GAE recursion over generated tokens only: A_t = delta_t + gamma*lam*A_next, next = next generated token.
+def _compress(mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Pack each row's generated positions to the left: (order_BT, valid_BN, N = max generated count).
 
-    delta_t = r_t + gamma*V(next) - V(t); after the last generated token V(next) = 0 (the episode is over).
-    Masked positions carry the running state through unchanged (they are not time steps).
+    order_BT[b, k] for k < n_b is the position of row b's k-th generated token (then the others).
     """
-    B, T = mask.shape
-    zero_B = torch.zeros(B, dtype=rewards_BT.dtype, device=rewards_BT.device)
-    next_value_B, next_adv_B = zero_B, zero_B
-    adv_BT = torch.zeros_like(rewards_BT)
-    for t in range(T - 1, -1, -1):
-        m_B = mask[:, t]
-        v_B = torch.where(m_B, values_BT[:, t], zero_B)
-        r_B = torch.where(m_B, rewards_BT[:, t], zero_B)
-        delta_B = r_B + gamma * next_value_B - v_B
-        a_B = delta_B + gamma * lam * next_adv_B
-        adv_BT[:, t] = torch.where(m_B, a_B, zero_B)
-        next_adv_B = torch.where(m_B, a_B, next_adv_B)
-        next_value_B = torch.where(m_B, v_B, next_value_B)
-    return adv_BT
+    order_BT = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    n_B = mask.sum(dim=1)
+    N = int(n_B.max()) if mask.numel() else 0
+    valid_BN = torch.arange(N, device=mask.device)[None, :] < n_B[:, None]
+    return order_BT, valid_BN, N
+
+
+def _discounted_reverse_cumsum(x_BN: Tensor, c: float, chunk: int = 64) -> Tensor:
+    """y_k = sum_{l >= k} c^(l-k) x_l along dim 1, in chunks: a [chunk, chunk] matmul inside each chunk,
+    and a carry c^(distance) * y(first index of the next chunk) across chunks (N/chunk Python steps
+    instead of N; no c^-k factors, so nothing overflows for long sequences)."""
+    B, N = x_BN.shape
+    if N == 0:
+        return x_BN.clone()
+    k = torch.arange(chunk, device=x_BN.device, dtype=x_BN.dtype)
+    diff_CC = k[None, :] - k[:, None]  # l - k
+    U_CC = torch.where(diff_CC >= 0, torch.pow(torch.tensor(c, dtype=x_BN.dtype, device=x_BN.device), diff_CC.clamp(min=0)), torch.zeros((), dtype=x_BN.dtype, device=x_BN.device))
+    carry_pow_C = torch.pow(torch.tensor(c, dtype=x_BN.dtype, device=x_BN.device), chunk - k)  # c^(next_start - k)
+    pad = (-N) % chunk
+    x_BM = torch.nn.functional.pad(x_BN, (0, pad))
+    M = x_BM.shape[1]
+    y_BM = torch.empty_like(x_BM)
+    carry_B = torch.zeros(B, dtype=x_BN.dtype, device=x_BN.device)  # y at the first index of the next chunk
+    for s in range(M - chunk, -1, -chunk):
+        y_BC = x_BM[:, s : s + chunk] @ U_CC.T + carry_B[:, None] * carry_pow_C[None, :]
+        y_BM[:, s : s + chunk] = y_BC
+        carry_B = y_BC[:, 0]
+    return y_BM[:, :N]
+
+
+def _reverse_scan(rewards_BT: Tensor, values_BT: Tensor, mask: Tensor, gamma: float, lam: float) -> Tensor:
+    """GAE over generated tokens only: A_k = sum_l (gamma*lam)^l delta_{k+l}, k indexing generated tokens.
+
+    delta_k = r_k + gamma*V_{k+1} - V_k; after the last generated token V = 0 (the episode is over).
+    Prompt / tool-output / padding positions are not time steps: the row is packed to its generated
+    tokens, solved, and scattered back (0 elsewhere). values 0 and lam 1 give discounted returns.
+    """
+    order_BT, valid_BN, N = _compress(mask)
+    zero = torch.zeros((), dtype=rewards_BT.dtype, device=rewards_BT.device)
+    idx_BN = order_BT[:, :N]
+    r_BN = torch.where(valid_BN, torch.gather(rewards_BT, 1, idx_BN), zero)
+    v_BN = torch.where(valid_BN, torch.gather(values_BT, 1, idx_BN), zero)
+    next_v_BN = torch.nn.functional.pad(v_BN[:, 1:], (0, 1))  # 0 after the last generated token
+    delta_BN = torch.where(valid_BN, r_BN + gamma * next_v_BN - v_BN, zero)
+    adv_BN = torch.where(valid_BN, _discounted_reverse_cumsum(delta_BN, gamma * lam), zero)
+    return torch.zeros_like(rewards_BT).scatter(1, idx_BN, adv_BN)
 
 
 def _check_gamma_lam(gamma: float, lam: float) -> None:

@@ -92,8 +92,8 @@ def _token_mean(mask: Tensor, domain_ids_B: Tensor | None, domain_weights: Mappi
 
 def _seq_weights(mask: Tensor, per_token_mean: bool) -> tuple[Tensor, Metrics]:
     len_B = mask.sum(dim=1).double()
-    n_seq = (len_B > 0).sum().clamp(min=1)
-    per_row_B = 1.0 / n_seq / (len_B.clamp(min=1) if per_token_mean else 1.0)
+    n_seq = (len_B > 0).sum().clamp(min=1).double()
+    per_row_B = 1.0 / (n_seq * (len_B.clamp(min=1) if per_token_mean else torch.ones_like(len_B)))
     w_BT = torch.where(mask, per_row_B[:, None], _zeros(mask))
     return w_BT, {"agg/num_sequences": float((len_B > 0).sum()), "agg/num_tokens": float(len_B.sum())}
 

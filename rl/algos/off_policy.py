@@ -63,7 +63,8 @@ def _unit_frac(flags_BT: Tensor, mask: Tensor, level: str) -> float:
     if level == "token":
         return float(masked_mean(flags_BT.float(), mask))
     has_B = mask.any(dim=1)
-    return float(flags_BT[:, 0][has_B].float().mean()) if bool(has_B.any()) else 0.0
+    seq_flag_B = (flags_BT & mask).any(dim=1)  # a sequence-level flag is the same on all its tokens
+    return float(seq_flag_B[has_B].float().mean()) if bool(has_B.any()) else 0.0
 
 
 @torch.no_grad()

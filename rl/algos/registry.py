@@ -46,7 +46,7 @@ class Registry(Generic[F]):
             return self._entries[name]
         except (KeyError, TypeError):
             raise RegistryError(
-                f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(sorted(self._entries)) or '(none)'}"
+                f"unknown {self.kind} {name!r}; registered names: {', '.join(sorted(self._entries)) or '(none)'}"
             ) from None
 
     def names(self) -> tuple[str, ...]:

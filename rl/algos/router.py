@@ -48,6 +48,11 @@ def _stack(name: str, x: Tensor | Sequence[Tensor], trailing_ndim: int) -> Tenso
     return torch.stack(list(x))
 
 
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    # bf16 router logits: softmax / logsumexp in fp32 (as MoE routers do); fp64 stays fp64
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 def _prepare(
     router_logits: Tensor | Sequence[Tensor], expert_ids: Tensor | Sequence[Tensor] | None, token_mask_N: Tensor | None
 ) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -94,12 +99,13 @@ def load_balance_loss(
     assert ids_LNK is not None
     L, N, E = logits_LNE.shape
     K = ids_LNK.shape[2]
-    w_N = mask_N.to(torch.float32)
-    probs_LNE = torch.softmax(logits_LNE.float(), dim=-1)
+    cdt = _compute_dtype(logits_LNE)
+    w_N = mask_N.to(cdt)
+    probs_LNE = torch.softmax(logits_LNE.to(cdt), dim=-1)
     # P_LE: mean router probability per expert over real tokens (where(): padding logits may be garbage)
     prob_sum_LE = torch.where(mask_N[None, :, None], probs_LNE, torch.zeros((), device=probs_LNE.device)).sum(dim=1)
     # counts_LE: how many of a layer's real-token assignments went to each expert (no gradient)
-    counts_LE = torch.zeros(L, E, dtype=torch.float32, device=logits_LNE.device)
+    counts_LE = torch.zeros(L, E, dtype=cdt, device=logits_LNE.device)
     counts_LE.scatter_add_(1, ids_LNK.reshape(L, N * K), w_N.repeat_interleave(K)[None, :].expand(L, N * K).contiguous())
     n_tok = w_N.sum().clamp(min=1)
     per = n_tok * (K if count_per == "assignment" else 1)
@@ -125,7 +131,7 @@ def load_balance_loss(
 def router_z_loss(router_logits: Tensor | Sequence[Tensor], token_mask_N: Tensor | None = None) -> tuple[Tensor, Metrics]:
     """ST-MoE z-loss: mean over layers and real tokens of logsumexp_i(logits_i)^2."""
     logits_LNE, _, mask_N = _prepare(router_logits, None, token_mask_N)
-    lse_LN = torch.logsumexp(logits_LNE.float(), dim=-1)
+    lse_LN = torch.logsumexp(logits_LNE.to(_compute_dtype(logits_LNE)), dim=-1)
     sq_LN = torch.where(mask_N[None, :], lse_LN * lse_LN, torch.zeros((), device=lse_LN.device))
     z = sq_LN.sum() / (mask_N.sum().clamp(min=1) * logits_LNE.shape[0])
     return z, {"router/z_loss": float(z.detach())}

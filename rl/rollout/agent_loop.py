@@ -17,38 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from envs.types import Message, Task
 from rl.log import get_logger
+from rl.rollout.engine import GenerateRequest, GenerateResult
 from rl.types import Episode
 
 log = get_logger("agent_loop")
 
 
-@dataclass(frozen=True)
-class TurnRequest:
-    """One generation request of one episode turn (engine-agnostic)."""
-
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    thinking_budget: int | None = None  # None = no cap
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str  # "stop" | "length" | ...
-    routed_experts: Any | None = None  # np.ndarray [T_prompt + T_gen, L, k] or None
-
-
-GenerateBatch = Callable[[list[TurnRequest]], Awaitable[list[TurnResult]]]
+GenerateBatch = Callable[[list[GenerateRequest]], Awaitable[list[GenerateResult]]]
 
 
 class ChatCodec(Protocol):
@@ -56,7 +38,9 @@ class ChatCodec(Protocol):
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False) -> str: ...
 
-    def parse_assistant(self, text: str) -> Any: ...  # -> object with .message: Message and .errors: tuple[str, ...]
+    def render_turn_suffix(self, new_messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
+
+    def parse_assistant(self, text: str, turn: int = 0) -> Any: ...  # -> object with .message: Message and .errors: tuple[str, ...]
 
 
 class Tokenizer(Protocol):
@@ -74,12 +58,11 @@ class LoopSettings:
     thinking_budgets: dict[str, int] = field(default_factory=lambda: {"low": 64, "high": 256, "max": -1})
     max_turns: int | None = None  # None: the task's own limit
     end_token_id: int = 3  # <|im_end|>
-    end_text: str = "<|im_end|>"
     min_room: int = 8  # stop (truncated) when fewer tokens than this fit in the context
 
 
 class BatchingGenerator:
-    """Collects concurrent TurnRequests and sends them to the engine in batches.
+    """Collects concurrent GenerateRequests and sends them to the engine in batches.
 
     A batch is flushed as soon as every live episode is waiting on generation, or after
     `max_wait_s` since the first queued request, whichever comes first.
@@ -89,7 +72,7 @@ class BatchingGenerator:
         self._gen = generate_batch
         self._max_wait = max_wait_s
         self._max_batch = max_batch
-        self._queue: list[tuple[TurnRequest, asyncio.Future]] = []
+        self._queue: list[tuple[GenerateRequest, asyncio.Future]] = []
         self._live = 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -107,7 +90,7 @@ class BatchingGenerator:
         if self._wake is not None:
             self._wake.set()
 
-    async def generate(self, req: TurnRequest) -> TurnResult:
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
@@ -136,7 +119,7 @@ class BatchingGenerator:
                 self._wake.set()
             asyncio.get_running_loop().create_task(self._flush(batch))
 
-    async def _flush(self, batch: list[tuple[TurnRequest, asyncio.Future]]) -> None:
+    async def _flush(self, batch: list[tuple[GenerateRequest, asyncio.Future]]) -> None:
         self.batches += 1
         self.requests += len(batch)
         try:
@@ -171,7 +154,9 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
         lps: list[float] = [0.0] * len(tokens)
         terminated = truncated = False
         turns = 0
-        last_routes = None
+        route_chunks: list[np.ndarray] = []  # R3: the engine's expert choices, accumulated turn by turn
+        n_routed = 0
+        routes_ok = True
         max_turns = settings.max_turns or task.limits.max_turns
         budget = _thinking_budget(settings, task.thinking)
         n_parse_errors = 0
@@ -183,39 +168,39 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             if turns >= max_turns:
                 truncated = True
                 break
-            req = TurnRequest(
+            req = GenerateRequest(
                 prompt_token_ids=tuple(tokens), max_tokens=min(settings.max_new_tokens_per_turn, room - 1),
                 temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=(settings.end_token_id,),
-                thinking_budget=budget, seed=None if seed is None else seed * 1000 + turns)
+                thinking_budget=budget, seed=None if seed is None else seed * 1000 + turns,
+                routed_experts_prompt_start=n_routed)
             res = await gen.generate(req)
             turns += 1
             out = list(res.token_ids)
             tokens += out
             mask += [1] * len(out)
             lps += list(res.logprobs)
-            last_routes = res.routed_experts
+            if res.routed_experts is not None and routes_ok:
+                r = np.asarray(res.routed_experts)
+                route_chunks.append(r)
+                n_routed += int(r.shape[0])
+            else:
+                routes_ok = False
             if not out or out[-1] != settings.end_token_id:
                 # The engine stopped without closing the turn (length cap): close it ourselves, not trained on.
                 tokens.append(settings.end_token_id)
                 mask.append(0)
                 lps.append(0.0)
             text = tok.decode(out, skip_special_tokens=False)
-            parsed = codec.parse_assistant(text)
-            n_parse_errors += len(getattr(parsed, "errors", ()))
-            assistant: Message = parsed.message
-            before = codec.render(history + [assistant], tools)
-            step = await env.step(assistant)
-            history.append(assistant)
+            parsed = codec.parse_assistant(text, turn=turns - 1)
+            n_parse_errors += len(parsed.errors)
+            step = await env.step(parsed.message)
+            history.append(parsed.message)
             if step.terminated or step.truncated:
                 terminated, truncated = step.terminated, step.truncated
                 break
             history.extend(step.messages)
-            after = codec.render(history, tools, add_generation_prompt=True)
-            if not after.startswith(before):
-                raise RuntimeError("chat template violates the prefix property: cannot append tokens")
-            # What follows the assistant's end token in the rendering (e.g. a newline), then the new turns.
-            tail = before[before.rfind(settings.end_text) + len(settings.end_text):] if settings.end_text in before else ""
-            new_ids = tok.encode(tail + after[len(before):], add_special_tokens=False)
+            # Append only the new turns' tokens: earlier tokens are never re-tokenised.
+            new_ids = tok.encode(codec.render_turn_suffix(list(step.messages)), add_special_tokens=False)
             if len(tokens) + len(new_ids) + settings.min_room > settings.max_model_len:
                 truncated = True
                 break
@@ -224,14 +209,13 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             lps += [0.0] * len(new_ids)
         grade = await env.grade()
         routes = None
-        if last_routes is not None:
-            import numpy as np
-
-            r = np.asarray(last_routes)
-            if r.ndim == 3 and r.shape[0] >= len(tokens) - 1:
-                routes = r[: len(tokens)]
-                if routes.shape[0] < len(tokens):  # the forced end token was never routed by the engine
-                    routes = np.concatenate([routes, routes[-1:]], axis=0)
+        if routes_ok and route_chunks:
+            r = np.concatenate(route_chunks, axis=0)
+            # The last token(s) of the episode were never fed through the engine; their routes do not
+            # affect any trained logprob, so repeat the last row to keep shapes aligned.
+            if 0 < r.shape[0] < len(tokens):
+                r = np.concatenate([r, np.repeat(r[-1:], len(tokens) - r.shape[0], axis=0)], axis=0)
+            routes = r[: len(tokens)]
         metrics = dict(grade.metrics)
         metrics.update({"parse_errors": float(n_parse_errors), "grade_error": float(grade.error is not None)})
         return Episode(

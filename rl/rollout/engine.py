@@ -25,11 +25,14 @@ What it does not do
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import os
 import re
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
@@ -57,7 +60,7 @@ class EngineConfig:
     model_path: str  # HF checkpoint directory (config.json + safetensors + tokenizer)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     max_model_len: int = 2048
-    kv_cache_gib: float = 1.0  # CPU: VLLM_CPU_KVCACHE_SPACE; ignored on GPUs (gpu_memory_utilization sizes it)
+    kv_cache_gib: float = 1.0  # CPU: passed as kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it if set); GPUs use gpu_memory_utilization
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = True  # CPU compile costs ~20 s at start-up; eager keeps tests fast
     seed: int = 0
@@ -137,7 +140,8 @@ class GenerateResult:
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     routed_experts: np.ndarray | None = None
-    policy_version: int = 0
+    policy_version: int = 0  # engine policy version when the request finished
+    first_policy_version: int = 0  # ... and when it was admitted (differs if weights changed mid-request)
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,6 @@ class RolloutEngine:
         self.policy_version = 0
         # In-process engine: weights travel as tensors in this process, and it works inside Ray actors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(config.model_path)
@@ -329,11 +332,20 @@ class RolloutEngine:
             kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=config.reasoning_start, reasoning_end_str=config.reasoning_end)
         if self.routed_experts_enabled:
             kwargs["enable_return_routed_experts"] = True
+        if self._platform_is_cpu():
+            kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * (1 << 30))
         kwargs.update(config.extra_llm_kwargs)
         t0 = time.perf_counter()
         self.llm: "LLM" = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.is_cpu = self._platform_is_cpu()
+        self._cv = threading.Condition()
+        self._pending: dict[str, tuple[Future, Any, int]] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._broken: str | None = None
+        self._thread = threading.Thread(target=self._step_loop, name="rollout-engine-stepper", daemon=True)
+        self._thread.start()
         log.info("rollout engine up in %.1fs (%s, %s, routed experts: %s)", self.startup_s, config.model_path, config.dtype,
                  "on" if self.routed_experts_enabled else self.routed_experts_unavailable_reason)
 
@@ -364,32 +376,90 @@ class RolloutEngine:
             skip_special_tokens=False,
         )
 
-    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        """Generate for a batch of requests (vLLM batches them continuously); results in request order."""
-        if not requests:
-            return []
+    def _result(self, out: Any, first_version: int) -> GenerateResult:
+        c = out.outputs[0]
+        ids = tuple(int(t) for t in c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise EngineError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for {len(ids)} tokens")
+        lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
+        routed = getattr(c, "routed_experts", None)
+        return GenerateResult(
+            token_ids=ids,
+            logprobs=lps,
+            finish_reason=(c.finish_reason or "abort"),  # type: ignore[arg-type]
+            stop_reason=c.stop_reason,
+            routed_experts=None if routed is None else np.asarray(routed),
+            policy_version=self.policy_version,
+            first_policy_version=first_version,
+        )
+
+    def _submit(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], convert: Any) -> list[Future]:
+        """Add requests to the running engine; the stepper thread resolves each future with convert(output)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        futures = []
+        with self._cv:
+            if self._closed:
+                raise EngineError("the rollout engine was shut down")
+            for prompt, sp in zip(prompts, params):
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = f"r{next(self._ids)}"
+                fut: Future = Future()
+                # Outputs carry this external id (vLLM appends a random suffix only internally).
+                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+                self._pending[rid] = (fut, convert, self.policy_version)
+                futures.append(fut)
+            self._cv.notify_all()
+        return futures
+
+    def _step_loop(self) -> None:
+        """Continuous batching: step the engine while any request is pending (requests from concurrent callers join the batch)."""
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    for fut, _, _ in self._pending.values():
+                        fut.set_exception(EngineError("the rollout engine was shut down"))
+                    self._pending.clear()
+                    return
+                try:
+                    outs = self.llm.llm_engine.step()
+                except BaseException as e:  # the engine is broken: fail everything waiting, loudly
+                    log.exception("rollout engine step failed")
+                    for fut, _, _ in self._pending.values():
+                        fut.set_exception(EngineError(f"engine step failed: {e!r}"))
+                    self._pending.clear()
+                    self._broken = repr(e)
+                    continue
+                if not outs and not self.llm.llm_engine.has_unfinished_requests():
+                    # Never spin on requests the engine no longer knows: fail them visibly.
+                    for fut, _, _ in self._pending.values():
+                        fut.set_exception(EngineError("request lost by the engine (no output and no unfinished requests)"))
+                    self._pending.clear()
+                    continue
+                for out in outs:
+                    if not out.finished:
+                        continue
+                    entry = self._pending.pop(out.request_id, None)
+                    if entry is None:
+                        continue
+                    fut, convert, first_version = entry
+                    try:
+                        fut.set_result(convert(out, first_version))
+                    except BaseException as e:
+                        fut.set_exception(e)
+
+    def submit(self, requests: Sequence[GenerateRequest]) -> list[Future]:
+        """Queue requests; each future resolves to a GenerateResult. Thread-safe."""
+        if self._broken:
+            raise EngineError(f"the rollout engine is broken after a failed step: {self._broken}")
         params = [self._sampling_params(r) for r in requests]
-        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        results = []
-        for out in outs:
-            c = out.outputs[0]
-            ids = tuple(int(t) for t in c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise EngineError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for {len(ids)} tokens")
-            lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
-            routed = getattr(c, "routed_experts", None)
-            results.append(
-                GenerateResult(
-                    token_ids=ids,
-                    logprobs=lps,
-                    finish_reason=(c.finish_reason or "abort"),  # type: ignore[arg-type]
-                    stop_reason=c.stop_reason,
-                    routed_experts=None if routed is None else np.asarray(routed),
-                    policy_version=self.policy_version,
-                )
-            )
-        return results
+        return self._submit([r.prompt_token_ids for r in requests], params, self._result)
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Generate for a batch of requests; results in request order. Thread-safe: concurrent calls batch together."""
+        return [f.result() for f in self.submit(requests)]
 
     def score(self, token_ids_list: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per-token logprobs of given sequences: out[i][t-1] = log p(seq[t] | seq[:t]) for t >= 1 (float64 [T-1])."""
@@ -400,13 +470,14 @@ class RolloutEngine:
                 raise EngineError(f"score: sequence {i} has {len(seq)} tokens; need at least 2")
             if len(seq) >= self.config.max_model_len:
                 raise EngineError(f"score: sequence {i} has {len(seq)} tokens; max_model_len is {self.config.max_model_len}")
-        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in token_ids_list], sp, use_tqdm=False)
-        result = []
-        for seq, out in zip(token_ids_list, outs):
+
+        def convert(out: Any, _v: int) -> np.ndarray:
+            seq = out.prompt_token_ids
             pl = out.prompt_logprobs  # [T], first entry None
-            result.append(np.array([pl[t][int(seq[t])].logprob for t in range(1, len(seq))], dtype=np.float64))
-        return result
+            return np.array([pl[t][int(seq[t])].logprob for t in range(1, len(seq))], dtype=np.float64)
+
+        params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False) for _ in token_ids_list]
+        return [f.result() for f in self._submit(token_ids_list, params, convert)]
 
     # -- weights
     def update_weights(
@@ -427,10 +498,12 @@ class RolloutEngine:
             raise EngineError("update_weights: no tensors given")
         check_update_complete((n for n, _ in weights), self.num_experts)
         nbytes = sum(int(t.numel()) * t.element_size() for _, t in weights)
-        repacked = self.llm.collective_rpc(_reload_with_moe_fix, args=(weights, repack_moe and self.is_cpu))
-        # KV blocks cached for shared prefixes were computed by the old weights.
-        self.llm.reset_prefix_cache()
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        with self._cv:  # between two engine steps
+            repacked = self.llm.collective_rpc(_reload_with_moe_fix, args=(weights, repack_moe and self.is_cpu))
+            # KV blocks (cached prefixes and running requests) were computed by the old weights:
+            # drop them; running requests are preempted and recompute their KV with the new weights.
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
         return WeightUpdateStats(
             num_tensors=len(weights),
             num_bytes=nbytes,
@@ -442,8 +515,15 @@ class RolloutEngine:
     def tokenizer(self) -> Any:
         return self.llm.get_tokenizer()
 
+    def num_pending(self) -> int:
+        return len(self._pending)
+
     def shutdown(self) -> None:
-        """Drop the engine (frees its KV cache); the object is unusable afterwards."""
+        """Stop the stepper, fail pending requests, drop the engine; the object is unusable afterwards."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:

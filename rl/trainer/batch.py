@@ -33,6 +33,8 @@ class TrainBatch:
     routed_experts_BTLK: torch.Tensor | None = None  # long [B, T, L, k] expert ids to replay, -1 on padding
     values_BT: torch.Tensor | None = None
     returns_BT: torch.Tensor | None = None
+    loss_weights_BT: torch.Tensor | None = None  # aggregation weights computed on the whole step batch
+    step_tokens: int = 0  # real tokens in the whole step batch (micro-batches keep the step's value)
 
     @property
     def num_seqs(self) -> int:
@@ -44,8 +46,8 @@ class TrainBatch:
             if x is None or not isinstance(x, torch.Tensor):
                 return x
             return x[idx] if isinstance(idx, slice) else x[torch.as_tensor(list(idx), dtype=torch.long)]
-        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f != "domains"}
-        return TrainBatch(domains=self.domains, **kw)
+        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in ("domains", "step_tokens")}
+        return TrainBatch(domains=self.domains, step_tokens=self.step_tokens or int(self.attention_mask_BT.sum()), **kw)
 
     def with_(self, **kw) -> "TrainBatch":
         return replace(self, **kw)
@@ -99,6 +101,7 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
         domains=doms,
         rewards_B=torch.as_tensor([e.reward for e in episodes], dtype=torch.float32),
         routed_experts_BTLK=routes,
+        step_tokens=int(attn.sum()),
     )
 
 

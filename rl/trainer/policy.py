@@ -78,6 +78,12 @@ def load_policy(model_dir: str | os.PathLike[str], dtype: str = "float32") -> to
     return m
 
 
+def _cat_padded(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate [b, t, L, k] route chunks along the batch, right-padding t with -1."""
+    T = max(c.shape[1] for c in chunks)
+    return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, 0, 0, T - c.shape[1]), value=-1) for c in chunks])
+
+
 def supports_routing_replay(m: torch.nn.Module) -> bool:
     return getattr(m.config, "model_type", "") == "hybrid_moe"
 
@@ -126,16 +132,26 @@ class PolicyTrainer:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _forward(self, batch: TrainBatch, *, replay: torch.Tensor | None, record: bool, router_logits: bool):
+    def _forward(self, batch: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool):
         kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT)
         if router_logits:
             kw["output_router_logits"] = True
-        if self.replay_supported:
-            if replay is not None:
-                kw["routed_experts"] = replay
-            if record:
-                kw["return_routed_experts"] = True
+        if self.replay_supported and replay_BTLK is not None:
+            B, T, L, K = replay_BTLK.shape
+            # [B, T, L, k] -> [L, B*T, k]; padding (-1) replays expert 0, which no trained token reads.
+            kw["routed_experts"] = replay_BTLK.clamp_min(0).permute(2, 0, 1, 3).reshape(L, B * T, K)
         return self.engine(**kw)
+
+    def _routes_used_LNK(self, out, router_logits) -> torch.Tensor | None:
+        """The expert ids the forward actually used, [L, B*T, k] (for the router terms)."""
+        r = getattr(out, "routed_experts", None)
+        if r is not None:
+            return r
+        if not router_logits:
+            return None
+        # HF MoE models (Qwen3-MoE, Mixtral) route by plain top-k of the router logits.
+        k = int(getattr(self.module.config, "num_experts_per_tok", 2))
+        return torch.stack([lg.topk(k, dim=-1).indices for lg in router_logits])
 
     def routing_mode(self, batch: TrainBatch) -> str:
         mode = self.spec.routing_replay
@@ -149,20 +165,21 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Old-policy logprobs [B, T] and (when R2 replay applies) the routes used [B, T, L, k]."""
+        """Old-policy logprobs [B, T] and, when R2 replay applies, the routes used [B, T, L, k]."""
         self.engine.eval()
         mode = self.routing_mode(batch)
         out_lp, out_routes = [], []
         for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
             mb = batch.select(slice(s, s + self.spec.micro_batch_size))
-            replay = mb.routed_experts_BTLK if mode == "r3" else None
-            out = self._forward(mb, replay=replay, record=(mode == "r2"), router_logits=False)
+            out = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if mode == "r3" else None, router_logits=False)
             out_lp.append(token_logprobs(out.logits, mb.input_ids_BT))
             if mode == "r2":
-                out_routes.append(out.routed_experts)
+                B, T = mb.input_ids_BT.shape
+                r_LNK = out.routed_experts
+                out_routes.append(r_LNK.reshape(r_LNK.shape[0], B, T, -1).permute(1, 2, 0, 3))
         self.engine.train()
         lp = torch.cat(out_lp)
-        routes = torch.cat(out_routes) if out_routes else None
+        routes = _cat_padded(out_routes) if out_routes else None
         return lp, routes
 
     # ------------------------------------------------------------------ steps
@@ -179,12 +196,18 @@ class PolicyTrainer:
         for s in range(0, B, self.spec.micro_batch_size):
             mb = batch.select(slice(s, s + self.spec.micro_batch_size))
             replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
-            out = self._forward(mb, replay=replay, record=False, router_logits=True)
+            out = self._forward(mb, replay_BTLK=replay, router_logits=True)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
-            loss, m = self.objective(lp, mb, getattr(out, "router_logits", None), getattr(out, "extra_losses", None))
-            # Each micro-batch's loss is its share of the whole-batch objective (weight = sequence share).
+            router_logits = getattr(out, "router_logits", None)
+            # The objective's weights come from the whole step batch, so micro-batch losses just add up.
+            loss, m = self.objective(lp, mb, router_logits, self._routes_used_LNK(out, router_logits))
+            idx_loss = getattr(out, "indexer_loss", None)
+            if idx_loss is not None:  # DSA indexer (its input is detached inside the model)
+                coef = float(getattr(self.module.config, "indexer_loss_coef", 0.0))
+                loss = loss + coef * idx_loss * (mb.num_seqs / B)
+                m["dsa/indexer_loss"] = float(idx_loss.detach())
+            self.engine.backward(loss, scale_wrt_gas=False)
             weight = mb.num_seqs / B
-            self.engine.backward(loss * weight, scale_wrt_gas=False)
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) * weight
             n_mb += 1
@@ -210,7 +233,7 @@ class PolicyTrainer:
         nll_sum = 0.0
         for s in range(0, B, self.spec.micro_batch_size):
             mb = batch.select(slice(s, s + self.spec.micro_batch_size))
-            out = self._forward(mb, replay=None, record=False, router_logits=False)
+            out = self._forward(mb, replay_BTLK=None, router_logits=False)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
             loss = -(lp * mb.loss_mask_BT).sum() / total_tokens
             aux = getattr(out, "aux_loss", None)

@@ -1,0 +1,18 @@
+"""The browsing domain (`browse-v0`): an offline, generated web served over loopback HTTP, BM25 search,
+search/open/find/answer tools, multi-hop questions with recorded evidence paths. See docs/browse.md.
+
+Modules: corpus (records, Corpus protocol, on-disk corpora), synth (the generator), build (cache),
+index (FTS5 BM25), server (HTTP server + client), render (HTML -> numbered-link text), session (the
+agent's browser), grading (EM / F1 / length cap), agent (scripted reference), domain (Env wiring).
+"""
+from envs.browse.corpus import Corpus, DirectoryCorpus, DiskCorpus, Page, Question
+
+
+def register() -> None:
+    """Entry point for envs.builtin: registers browse-v0 and browse-small-v0."""
+    from envs.browse.domain import register as _register
+
+    _register()
+
+
+__all__ = ["Corpus", "DirectoryCorpus", "DiskCorpus", "Page", "Question", "register"]

@@ -1,0 +1,20 @@
+"""terminal-v0: procedurally generated shell tasks (14 families) graded on the final filesystem state."""
+from __future__ import annotations
+
+from envs.base import ToolEnv
+
+
+def make_env(*, backend=None, sandbox_limits=None, **env_kwargs) -> ToolEnv:
+    """`envs.make("terminal-v0", backend=..., sandbox_limits=..., limits=..., max_calls_per_turn=...)`."""
+    from envs.terminal.domain import TerminalDomain
+
+    kw = {} if sandbox_limits is None else {"sandbox_limits": sandbox_limits}
+    return ToolEnv(TerminalDomain(backend=backend, **kw), **env_kwargs)
+
+
+def register() -> None:
+    from envs.registry import register as reg
+    from envs.terminal.tasks import ENV_ID, make_tasks
+
+    reg(ENV_ID, make_env, make_tasks,
+        description="shell tasks in a bubblewrap sandbox: text/JSON/CSV wrangling, archives, permissions, scripts, git, sqlite, logs, cron")

@@ -1,0 +1,78 @@
+"""Task generation for terminal-v0: deterministic in (split, seed, index); held-out variants disjoint from train.
+
+For each family, its finite list of structural variants is ranked by a hash of (family, variant);
+the first 20% (at least one) are held out. Task `i` of a split uses family `i mod F` and a
+`random.Random` seeded by (seed, split, family, i): the same arguments give the same tasks on any
+machine (Python seeds a Random from a str through SHA-512), and no held-out task shares its
+variant with any train task. `Task.private["variant"]` records it so `check_env` can verify that.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+
+from envs.terminal.families import FAMILIES, Family, Instance
+from envs.types import Limits, Message, Task
+
+ENV_ID = "terminal-v0"
+HELDOUT_FRACTION = 0.2
+DEFAULT_N = {"train": 40 * len(FAMILIES), "heldout": 8 * len(FAMILIES)}
+LIMITS = Limits(max_turns=16, tool_timeout_s=10.0, episode_timeout_s=180.0, max_obs_chars=4000, max_arg_chars=20_000)
+
+SYSTEM_PROMPT = (
+    "You are working in a Linux shell inside a sandbox with no network access. Use the `bash` tool to run commands; "
+    "every command starts in the task's working directory, where all the files mentioned in the task are. "
+    "When the files are in their final state, call `submit`. Only the final state of the working directory is graded.")
+
+
+def variant_key(family: Family, variant: tuple) -> str:
+    return f"{family.name}:{json.dumps(list(variant))}"
+
+
+def split_variants(family: Family) -> dict[str, list[tuple]]:
+    variants = family.variants()
+    if len(set(variants)) != len(variants) or len(variants) < 2:
+        raise ValueError(f"family {family.name}: needs at least 2 distinct variants")
+    ranked = sorted(variants, key=lambda v: hashlib.sha256(variant_key(family, v).encode()).hexdigest())
+    n_held = max(1, round(HELDOUT_FRACTION * len(variants)))
+    return {"heldout": ranked[:n_held], "train": ranked[n_held:]}
+
+
+def _encode_files(inst: Instance) -> list[dict]:
+    out = []
+    for path in sorted(inst.files):
+        data = inst.files[path]
+        entry: dict = {"path": path, "mode": inst.modes.get(path, 0o644)}
+        try:
+            entry["text"] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            entry["b64"] = base64.b64encode(data).decode()
+        out.append(entry)
+    return out
+
+
+def make_task(split: str, seed: int, index: int) -> Task:
+    families = list(FAMILIES.values())
+    family = families[index % len(families)]
+    rng = random.Random(f"{ENV_ID}:{seed}:{split}:{family.name}:{index}")
+    variant = rng.choice(split_variants(family)[split])
+    inst = family.generate(rng, variant)
+    return Task(
+        id=f"{ENV_ID}/{split}/s{seed}/{index:05d}-{family.name}",
+        domain="terminal",
+        prompt=(Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=inst.instruction)),
+        public={"family": family.name, "files": _encode_files(inst), "setup": list(inst.setup)},
+        private={"family": family.name, "variant": variant_key(family, variant), "check": inst.check,
+                 "reference": list(inst.reference)},
+        limits=LIMITS,
+        thinking="low",
+        split=split,
+    )
+
+
+def make_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
+    if split not in DEFAULT_N:
+        raise ValueError(f"unknown split {split!r}; splits are: {', '.join(DEFAULT_N)}")
+    return [make_task(split, seed, i) for i in range(DEFAULT_N[split] if n is None else n)]

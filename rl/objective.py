@@ -1,0 +1,62 @@
+"""The RL training objective the trainer minimises, composed from rl/algos by name.
+
+    loss = policy_loss(ratio vs pi_old, advantages; TIS weights for the engine/trainer mismatch)
+         + kl_coef * KL(pi || pi_ref)                     (when reference logprobs are present)
+         + router aux / z terms on the routes actually used (replayed routes under R2/R3)
+
+Aggregation weights are computed once on the whole step batch by the driver (`loss_weights_BT`)
+and sliced with the micro-batch, so gradient accumulation gives exactly the whole-batch objective.
+`RLObjective` is a frozen dataclass (picklable for Ray) holding only names and coefficients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rl.algos import PolicyLossInputs, PolicyLossParams, compute_policy_loss, kl_loss, router_losses, truncated_is_weights
+
+
+@dataclass(frozen=True)
+class RLObjective:
+    policy_loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float = 2.0  # <= 0 disables truncated importance sampling
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    router_aux_coef: float = 0.001
+    router_z_coef: float = 0.0
+
+    def __call__(self, logprobs_BT: torch.Tensor, mb: Any, router_logits: Sequence[torch.Tensor] | None = None,
+                 routes_LNK: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb.loss_mask_BT > 0
+        old = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logprobs_BT.detach()
+        metrics: dict[str, float] = {}
+        is_w = None
+        if self.tis_cap > 0 and bool(mask.any()):
+            is_w, m = truncated_is_weights(old, mb.rollout_logprobs_BT, mask, cap=self.tis_cap)
+            metrics.update(m)
+        inputs = PolicyLossInputs(logprobs_BT=logprobs_BT, old_logprobs_BT=old, advantages_BT=mb.advantages_BT,
+                                  mask_BT=mask, is_weights_BT=is_w)
+        loss, m = compute_policy_loss(self.policy_loss, inputs, PolicyLossParams(clip_low=self.clip_low, clip_high=self.clip_high),
+                                      weights_BT=mb.loss_weights_BT)
+        metrics.update(m)
+        if self.kl_coef > 0 and mb.ref_logprobs_BT is not None:
+            kl, m = kl_loss(logprobs_BT, mb.ref_logprobs_BT, mask, estimator=self.kl_estimator, coef=self.kl_coef,
+                            weights_BT=mb.loss_weights_BT)
+            loss = loss + kl
+            metrics.update(m)
+        if router_logits is not None and len(router_logits) > 0:
+            token_mask_N = mb.attention_mask_BT.reshape(-1) > 0
+            if routes_LNK is None:
+                raise ValueError("RLObjective: router_logits given without the routes the forward used")
+            r_loss, m = router_losses(list(router_logits), routes_LNK, token_mask_N,
+                                      aux_coef=self.router_aux_coef, z_coef=self.router_z_coef)
+            # Router terms are per-token means; weight by this micro-batch's share of the step's tokens.
+            share = float(mb.attention_mask_BT.sum()) / max(float(mb.step_tokens or mb.attention_mask_BT.sum()), 1.0)
+            loss = loss + r_loss * share
+            metrics.update(m)
+        metrics["loss/total"] = float(loss.detach())
+        return loss, metrics

@@ -1,0 +1,385 @@
+"""Builds and owns the collaborators of a training run; the driver loop (rl/train.py) calls them.
+
+`Runtime.start(cfg)` sets caches, creates the initial checkpoint (a shipped model shape with
+fresh weights + the shipped tokenizer) or resumes from the run's last checkpoint, starts Ray
+(in-process, or joins RAY_ADDRESS on a cluster), the DeepSpeed trainer actor, the vLLM rollout
+workers behind a dispatcher, the environments' task pools and the metrics sink. Each method below
+is one verb of the driver loop. Nothing here is RL math.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from envs.types import Task
+from rl.config import RunConfig, to_dict
+from rl.log import get_logger, progress
+from rl.metrics import MetricsSink
+from rl.types import Episode, RolloutGroup
+
+log = get_logger("runtime")
+
+
+def build_initial_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
+    """A shipped model shape (or a HF checkpoint dir, copied as is) + the shipped tokenizer, in `out_dir`."""
+    import model  # noqa: F401
+    from model.chat import TOKENIZER_DIR
+
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    src = Path(arch)
+    if src.is_dir() and (src / "config.json").exists():
+        shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    else:
+        from model.modeling import HybridMoeForCausalLM
+        from model.shipped import load_shipped_config
+
+        torch.manual_seed(seed)
+        m = HybridMoeForCausalLM(load_shipped_config(arch))
+        m.save_pretrained(out_dir)
+    for f in Path(TOKENIZER_DIR).iterdir():
+        if f.is_file() and not (out_dir / f.name).exists():
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    domain: str
+    tier: str
+    n: int
+    success: float
+    reward: float
+    tokens: float
+    turns: float
+
+
+class Runtime:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.resolved_run_dir()
+        self.ckpt_dir = self.run_dir / "checkpoint"
+        self.start_step = 0
+        self.policy_version = 0
+        self._actors: list[Any] = []
+
+    # ------------------------------------------------------------------ start / stop
+    @classmethod
+    def start(cls, cfg: RunConfig) -> "Runtime":
+        from rl.paths import setup_cache_env
+
+        setup_cache_env(cfg.resolved_cache_dir())
+        rt = cls(cfg)
+        rt._start()
+        return rt
+
+    def _start(self) -> None:
+        import ray
+
+        import envs
+        from model.chat import load_tokenizer
+        import model.chat as chat
+        from rl.sampler import DomainSampler
+
+        cfg = self.cfg
+        random.seed(cfg.envs.seed)
+        np.random.seed(cfg.envs.seed)
+        torch.manual_seed(cfg.model.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        resume = cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
+        init_dir = build_initial_checkpoint(cfg.model.arch, self.run_dir / "init_model", cfg.model.seed)
+        serve_dir = self.ckpt_dir / "hf" if resume else init_dir
+        self.chat = chat
+        self.tok = load_tokenizer(init_dir)
+
+        # Task pools: train split for RL/SFT, held-out split for evaluation.
+        self.domains = [d for d, w in cfg.envs.weights.items() if w > 0]
+        self.env_ids = {d: cfg.envs.env_ids[d] for d in self.domains}
+        self.train_tasks: dict[str, list[Task]] = {}
+        self.eval_tasks: dict[str, list[Task]] = {}
+        for d in self.domains:
+            tier = cfg.envs.default_tier.get(d, "high")
+            ds_train = envs.tasks(self.env_ids[d], "train", seed=cfg.envs.seed)
+            ds_eval = envs.tasks(self.env_ids[d], "test", seed=cfg.envs.seed)
+            self.train_tasks[d] = [self._with_defaults(Task.from_row(r), tier) for r in ds_train]
+            self.eval_tasks[d] = [self._with_defaults(Task.from_row(r), tier) for r in ds_eval]
+        self.sampler = DomainSampler(self.train_tasks, dict(cfg.envs.weights), seed=cfg.envs.seed,
+                                     adaptive=cfg.envs.adaptive_weights, min_weight=cfg.envs.min_weight)
+
+        # Ray: in-process here, the cluster's when RAY_ADDRESS is set (ray job submit).
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address="auto")
+            else:
+                ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
+                         _temp_dir=os.environ.get("RAY_TMPDIR"))
+        self._start_trainer(init_dir, resume)
+        self._start_rollout(serve_dir)
+        self.sink = MetricsSink(self.run_dir, wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
+                                run_name=cfg.name, config=to_dict(cfg))
+        if resume:
+            self._resume()
+
+    def _with_defaults(self, t: Task, tier: str) -> Task:
+        from dataclasses import replace
+
+        limits = replace(t.limits, max_turns=min(t.limits.max_turns, self.cfg.envs.max_turns))
+        return replace(t, limits=limits, thinking=t.thinking if t.thinking in ("low", "high", "max") else tier)
+
+    def _start_trainer(self, init_dir: Path, resume: bool) -> None:
+        import ray
+
+        from rl.objective import RLObjective
+        from rl.trainer.actor import trainer_actor
+        from rl.trainer.policy import TrainerSpec
+
+        cfg = self.cfg
+        a = cfg.algorithm
+        self.objective = RLObjective(policy_loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
+                                     tis_cap=a.tis_cap, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                     router_aux_coef=cfg.model.router_aux_loss_coef, router_z_coef=cfg.model.router_z_loss_coef)
+        spec = TrainerSpec(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                           grad_clip=cfg.trainer.grad_clip, warmup_steps=cfg.trainer.warmup_steps,
+                           micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
+                           routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias)
+        cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
+        Actor = trainer_actor(num_cpus=1)
+        self.trainer = Actor.remote(str(init_dir), spec, self.objective, cache_env)
+        self._actors.append(self.trainer)
+        info = ray.get(self.trainer.ready.remote())
+        log.info("trainer ready: %s", info)
+        self.sft_spec = spec
+
+    def _start_rollout(self, serve_dir: Path) -> None:
+        from rl.rollout.dispatcher import RolloutDispatcher
+        from rl.rollout.engine import EngineConfig
+
+        cfg = self.cfg
+        ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed)
+        self.engine_config = ecfg
+        self.rollout_engine = RolloutDispatcher.start(ecfg, num_workers=cfg.rollout.num_workers)
+        log.info("rollout workers ready: %d", cfg.rollout.num_workers)
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self.sink.close()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self.rollout_engine.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        for a in self._actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001
+                pass
+        if not os.environ.get("RAY_ADDRESS") and ray.is_initialized():
+            ray.shutdown()
+
+    # ------------------------------------------------------------------ rollout
+    def _make_env(self, task: Task):
+        import envs
+
+        return envs.make(self.env_ids[task.domain])
+
+    def _loop_settings(self, temperature: float | None = None):
+        from rl.rollout.agent_loop import LoopSettings
+
+        r = self.cfg.rollout
+        return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
+                            temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                            thinking_budgets=dict(r.thinking_budgets), max_turns=self.cfg.envs.max_turns,
+                            end_token_id=self.chat.IM_END_ID)
+
+    def _run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
+        from rl.rollout.agent_loop import BatchingGenerator, run_groups
+
+        async def go():
+            gen = BatchingGenerator(self.rollout_engine.generate_async)
+            return await run_groups(tasks, group_size, self._make_env, gen, self.tok, self.chat, self._loop_settings(temperature),
+                                    policy_version=self.policy_version, max_concurrent=self.cfg.rollout.max_concurrent_episodes,
+                                    seed=seed)
+
+        return asyncio.run(go())
+
+    def rollout(self, tasks: Sequence[Task]) -> tuple[list[RolloutGroup], dict[str, float]]:
+        from rl.telemetry import rollout_metrics
+
+        t0 = time.perf_counter()
+        G = self.cfg.algorithm.group_size
+        eps = self._run_groups(tasks, G, seed=self.cfg.envs.seed * 7919 + self.policy_version)
+        groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
+        m = rollout_metrics(groups, self.tok)
+        m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
+        return groups, m
+
+    # ------------------------------------------------------------------ training
+    def _batch(self, episodes: Sequence[Episode], adv: Sequence[float]):
+        from rl.algos import aggregation_weights
+        from rl.trainer.batch import collate
+
+        batch = collate(episodes, adv, pad_id=self.chat.PAD_ID, domains=self.domains)
+        w, _ = aggregation_weights(self.cfg.algorithm.aggregation, batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B,
+                                   domain_names=dict(enumerate(batch.domains)))
+        return batch.with_(loss_weights_BT=w)
+
+    def train(self, groups: Sequence[RolloutGroup], adv: Sequence[float]) -> dict[str, float]:
+        import ray
+
+        episodes = [e for g in groups for e in g.episodes]
+        batch = self._batch(episodes, adv)
+        old_lp, routes = ray.get(self.trainer.compute_logprobs.remote(batch))
+        batch = batch.with_(old_logprobs_BT=old_lp, routed_experts_BTLK=routes if routes is not None else batch.routed_experts_BTLK)
+        m = ray.get(self.trainer.train_step.remote(batch))
+        return m
+
+    def sft_warm_start(self, steps: int) -> dict[str, float]:
+        """Supervised warm start on reference trajectories of train tasks (all weighted domains)."""
+        import ray
+
+        from rl.sft import reference_episodes
+
+        per_domain = max(4, self.cfg.trainer.tasks_per_step * 4)
+        tasks = [t for d in self.domains for t in self.train_tasks[d][:per_domain]]
+        eps = asyncio.run(reference_episodes(tasks, self._make_env, self.tok, self.chat, max_concurrent=self.cfg.envs.sandbox_slots))
+        if not eps:
+            log.warning("SFT: no reference trajectories; skipping the warm start")
+            return {}
+        eps = [e for e in eps if len(e.token_ids) <= self.cfg.rollout.max_model_len]
+        log.info("SFT warm start: %d reference trajectories, %d steps", len(eps), steps)
+        rng = random.Random(self.cfg.model.seed)
+        m: dict[str, float] = {}
+        bs = max(1, self.cfg.trainer.micro_batch_size)
+        for _ in progress(range(steps), desc="sft", total=steps):
+            chosen = rng.sample(eps, min(bs, len(eps)))
+            batch = self._batch(chosen, [0.0] * len(chosen))
+            m = ray.get(self.trainer.sft_step.remote(batch))
+        self.policy_version = ray.get(self.trainer.version.remote())
+        return {**m, "sft/trajectories": float(len(eps))}
+
+    def sync_weights(self) -> dict[str, float]:
+        """Trainer -> rollout engines, bucketed through Ray's object store (never through the driver)."""
+        import ray
+
+        t0 = time.perf_counter()
+        version = ray.get(self.trainer.version.remote())
+        buckets_ref = self.trainer.export_weights.remote(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format)
+        stats = self.rollout_engine.update_weights(buckets_ref, version)
+        self.policy_version = version
+        dt = time.perf_counter() - t0
+        nbytes = float(stats.get("bytes", 0.0))
+        return {"sync/seconds": dt, "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9)}
+
+    def measure_gap(self, groups: Sequence[RolloutGroup], n: int = 4) -> dict[str, float]:
+        """Engine vs trainer logprobs of the same generated tokens under the same (new) weights."""
+        import ray
+
+        eps = [e for g in groups for e in g.episodes if sum(e.loss_mask) > 0][:n]
+        if not eps:
+            return {}
+        seqs = [list(e.token_ids[: self.cfg.rollout.max_model_len - 1]) for e in eps]
+        engine_lp = self.rollout_engine.score(seqs)
+        batch = self._batch(eps, [0.0] * len(eps))
+        trainer_lp, _ = ray.get(self.trainer.compute_logprobs.remote(batch))
+        diffs = []
+        for i, e in enumerate(eps):
+            T = len(seqs[i])
+            m = np.asarray(e.loss_mask[1:T], dtype=bool)
+            d = np.abs(np.asarray(engine_lp[i])[: T - 1] - trainer_lp[i, 1:T].numpy())[m]
+            diffs.append(d)
+        d = np.concatenate(diffs) if diffs else np.zeros(1)
+        return {"mismatch/logprob_abs_mean": float(d.mean()), "mismatch/logprob_abs_max": float(d.max())}
+
+    # ------------------------------------------------------------------ eval, logging, checkpoints
+    def evaluate(self, label: str, n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
+        n = n_per_domain or max(2, self.cfg.trainer.tasks_per_step)
+        rows: list[EvalRow] = []
+        for d in self.domains:
+            for tier in tiers or (None,):
+                tasks = self.eval_tasks[d][:n]
+                if tier is not None:
+                    from dataclasses import replace
+
+                    tasks = [replace(t, thinking=tier) for t in tasks]
+                eps = [g[0] for g in self._run_groups(tasks, 1, temperature=0.0, seed=12345)]
+                rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(eps),
+                                    success=float(np.mean([e.reward >= 1.0 for e in eps])) if eps else 0.0,
+                                    reward=float(np.mean([e.reward for e in eps])) if eps else 0.0,
+                                    tokens=float(np.mean([sum(e.loss_mask) for e in eps])) if eps else 0.0,
+                                    turns=float(np.mean([e.num_turns for e in eps])) if eps else 0.0))
+        (self.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        return rows
+
+    @staticmethod
+    def format_eval_table(before: Sequence[EvalRow], after: Sequence[EvalRow] | None = None) -> str:
+        head = f"{'domain':<10} {'tier':<5} {'n':>3} {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
+        if after is not None:
+            head += f" | {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
+        lines = [head, "-" * len(head)]
+        for i, b in enumerate(before):
+            line = f"{b.domain:<10} {b.tier:<5} {b.n:>3} {b.success:>8.3f} {b.reward:>7.3f} {b.tokens:>7.1f} {b.turns:>6.2f}"
+            if after is not None and i < len(after):
+                a = after[i]
+                line += f" | {a.success:>8.3f} {a.reward:>7.3f} {a.tokens:>7.1f} {a.turns:>6.2f}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def print_eval_table(self, before: Sequence[EvalRow], after: Sequence[EvalRow]) -> None:
+        text = "held-out evaluation: before RL | after RL\n" + self.format_eval_table(before, after)
+        print(text, flush=True)
+        (self.run_dir / "eval_table.txt").write_text(text + "\n")
+
+    def samples_for_log(self, groups: Sequence[RolloutGroup]) -> list[dict[str, str]]:
+        out = []
+        per = self.cfg.logging.samples_per_domain
+        for d in self.domains:
+            eps = [e for g in groups if g.domain == d for e in g.episodes][:per]
+            for e in eps:
+                text = self.tok.decode(list(e.token_ids), skip_special_tokens=False)
+                out.append({"domain": d, "task_id": e.task_id, "reward": f"{e.reward:.3f}", "turns": str(e.num_turns),
+                            "transcript": text[-4000:]})
+        return out
+
+    def checkpoint(self, step: int) -> None:
+        import ray
+
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {"sampler": self.sampler.state_dict(), "step": step,
+                 "py_random": random.getstate(), "np_random": np.random.get_state()}
+        ray.get(self.trainer.save_checkpoint.remote(str(self.ckpt_dir / "ds"), {"driver": state}))
+        ray.get(self.trainer.save_hf.remote(str(self.ckpt_dir / "hf")))
+        tmp = self.ckpt_dir / "meta.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "policy_version": self.policy_version}))
+        tmp.replace(self.ckpt_dir / "meta.json")  # atomic: a kill mid-save leaves the previous checkpoint valid
+        log.info("checkpoint saved at step %d", step)
+
+    def _resume(self) -> None:
+        import ray
+
+        meta = json.loads((self.ckpt_dir / "meta.json").read_text())
+        state = ray.get(self.trainer.load_checkpoint.remote(str(self.ckpt_dir / "ds")))
+        drv = (state or {}).get("driver", {})
+        if "sampler" in drv:
+            self.sampler.load_state_dict(drv["sampler"])
+        if "py_random" in drv:
+            random.setstate(drv["py_random"])
+        if "np_random" in drv:
+            np.random.set_state(drv["np_random"])
+        self.start_step = int(meta["step"])
+        self.policy_version = int(meta["policy_version"])
+        log.info("resumed from step %d (policy version %d)", self.start_step, self.policy_version)

@@ -1,0 +1,182 @@
+"""rl/weights.py: trainer (fused) names -> checkpoint names, bucketing, serialisation; engine update validation.
+
+CPU-only and fast: no vLLM engine is started here. The oracle for the name mapping is transformers'
+own `save_pretrained` (what vLLM's loader reads), plus a from-the-formula expert MLP.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl.rollout.engine import EngineError, check_update_complete
+from rl.weights import (
+    WeightBucket,
+    WeightSyncError,
+    export_buckets,
+    make_buckets,
+    pack_bucket,
+    plan_buckets,
+    tensor_bytes,
+    to_checkpoint_format,
+    unit_of,
+    unpack_bucket,
+)
+
+
+def _tiny_qwen3_moe(tie: bool = False):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                         tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    m = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()  # distinct values everywhere, so a wrong slice cannot pass by accident
+    return m
+
+
+def _tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(1)
+    m = MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    return m
+
+
+def _assert_matches_save_pretrained(model, tmp_path, model_type: str, tie: bool) -> None:
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    ours = to_checkpoint_format(model.state_dict(), model_type, tie_word_embeddings=tie)
+    assert set(ours) == set(saved), (sorted(set(ours) ^ set(saved)))[:6]
+    for name, t in saved.items():
+        assert ours[name].shape == t.shape, name
+        assert torch.equal(ours[name], t), name
+
+
+def test_qwen3_moe_names_and_values_match_save_pretrained(tmp_path):
+    m = _tiny_qwen3_moe()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in m.state_dict()  # transformers 5 keeps experts fused
+    _assert_matches_save_pretrained(m, tmp_path, "qwen3_moe", tie=False)
+
+
+def test_tied_embeddings_drop_lm_head_like_save_pretrained(tmp_path):
+    m = _tiny_qwen3_moe(tie=True)
+    assert "lm_head.weight" in m.state_dict()
+    _assert_matches_save_pretrained(m, tmp_path, "qwen3_moe", tie=True)
+
+
+def test_mixtral_w1_w3_w2_names_match_save_pretrained(tmp_path):
+    m = _tiny_mixtral()
+    _assert_matches_save_pretrained(m, tmp_path, "mixtral", tie=False)
+
+
+def test_split_experts_compute_the_fused_expert_mlp():
+    """From the formula: expert e of a SwiGLU MoE computes down_e(silu(gate_e x) * up_e x)."""
+    m = _tiny_qwen3_moe()
+    experts = m.model.layers[1].mlp.experts
+    ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
+    torch.manual_seed(3)
+    x_ND = torch.randn(5, 32)
+    for e in range(4):
+        p = f"model.layers.1.mlp.experts.{e}."
+        g, u, d = ckpt[p + "gate_proj.weight"], ckpt[p + "up_proj.weight"], ckpt[p + "down_proj.weight"]
+        ref_ND = (torch.nn.functional.silu(x_ND @ g.T) * (x_ND @ u.T)) @ d.T
+        idx_NK = torch.full((5, 1), e)
+        w_NK = torch.ones(5, 1)
+        with torch.no_grad():
+            got_ND = experts(x_ND, idx_NK, w_NK)
+        torch.testing.assert_close(got_ND, ref_ND, rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_cast_and_bad_fused_shape():
+    m = _tiny_qwen3_moe()
+    out = to_checkpoint_format(m.state_dict(), "qwen3_moe", dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in out.values())
+    with pytest.raises(WeightSyncError, match="gate_up_proj"):
+        to_checkpoint_format({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 8)}, "qwen3_moe")
+    with pytest.raises(WeightSyncError, match="2 x moe_intermediate_size"):
+        to_checkpoint_format({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 7, 8)}, "qwen3_moe")
+
+
+def test_buckets_cover_everything_once_keep_units_whole_and_respect_the_size():
+    m = _tiny_qwen3_moe()
+    ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
+    unit_bytes: dict[str, int] = {}
+    for n, t in ckpt.items():
+        unit_bytes[unit_of(n)] = unit_bytes.get(unit_of(n), 0) + tensor_bytes(t)
+    limit_mb = 0.03  # ~31 KB: smaller than a layer (several units per bucket impossible), larger than most lone tensors
+    plan = plan_buckets(ckpt, limit_mb)
+    flat = [n for b in plan for n in b]
+    assert flat == list(ckpt)  # every tensor once, order preserved
+    seen_units: dict[str, int] = {}
+    for i, names in enumerate(plan):
+        for n in names:
+            assert seen_units.setdefault(unit_of(n), i) == i, f"unit {unit_of(n)} split across buckets"
+        size = sum(tensor_bytes(ckpt[n]) for n in names)
+        units = {unit_of(n) for n in names}
+        assert size <= limit_mb * 2**20 or len(units) == 1, (i, size, units)
+    assert unit_of("model.layers.12.mlp.experts.3.up_proj.weight") == "model.layers.12"
+    assert unit_of("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert len(plan_buckets(ckpt, 1000.0)) == 1
+    with pytest.raises(WeightSyncError):
+        plan_buckets(ckpt, 0)
+
+
+def test_pack_unpack_roundtrip_is_exact_and_bytes_are_counted():
+    m = _tiny_qwen3_moe()
+    buckets = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=0.05)
+    assert len(buckets) > 1
+    ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
+    got: dict[str, torch.Tensor] = {}
+    for b in buckets:
+        assert isinstance(b, WeightBucket)
+        pairs = unpack_bucket(b)
+        assert [n for n, _ in pairs] == list(b.names)
+        assert b.num_bytes == sum(t.numel() * t.element_size() for _, t in pairs)
+        got.update(pairs)
+        assert dict(unpack_bucket(b.payload)).keys() == set(b.names)  # raw bytes work too
+    assert got.keys() == ckpt.keys()
+    for n in ckpt:
+        assert torch.equal(got[n], ckpt[n]), n
+    assert sum(b.num_bytes for b in buckets) == sum(p.numel() * 4 for p in m.parameters())
+    with pytest.raises(WeightSyncError, match="expected safetensors bytes"):
+        unpack_bucket(123)  # type: ignore[arg-type]
+    one = pack_bucket({"a": torch.ones(3)})
+    assert one.names == ("a",) and one.num_bytes == 12
+
+
+def test_export_buckets_drops_non_persistent_buffers_and_casts():
+    m = _tiny_qwen3_moe()
+    named = list(m.named_parameters()) + [(n, b) for n, b in m.named_buffers()]
+    assert any("inv_freq" in n for n, _ in named)  # a non-persistent buffer a trainer might yield
+    buckets = export_buckets(m, named, bucket_mb=64, fmt="bf16")
+    names = {n for b in buckets for n in b.names}
+    assert not any("inv_freq" in n for n in names)
+    assert names == set(to_checkpoint_format(m.state_dict(), "qwen3_moe"))
+    assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in unpack_bucket(b))
+    with pytest.raises(WeightSyncError, match="mxfp4"):
+        export_buckets(m, named, fmt="mxfp4")
+
+
+def test_update_validation_refuses_partial_fused_parameters():
+    full_layer = [f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
+    check_update_complete(full_layer + ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                                        "model.layers.0.self_attn.v_proj.weight", "model.norm.weight"], num_experts=4)
+    with pytest.raises(EngineError, match=r"only part of MoE layer 'model\.layers\.0\.mlp\.experts'"):
+        check_update_complete(full_layer[:-3], num_experts=4)
+    with pytest.raises(EngineError, match="send all experts"):
+        check_update_complete([n for n in full_layer if "down_proj" not in n], num_experts=4)
+    with pytest.raises(EngineError, match="k_proj"):
+        check_update_complete(["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight"], num_experts=None)
+    with pytest.raises(EngineError, match="gate_proj"):
+        check_update_complete(["model.layers.1.mlp.up_proj.weight"], num_experts=None)
+    with pytest.raises(EngineError, match="no expert count"):
+        check_update_complete(full_layer, num_experts=None)
