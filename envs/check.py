@@ -24,12 +24,12 @@ import dataclasses
 import json
 import traceback
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from envs.base import ToolEnv, messages_for_calls
 from envs.play import ScriptedPolicy, run_episode
 from envs.registry import generate_tasks, make, spec
-from envs.types import Limits, Message, Task, ToolCall
+from envs.types import Message, Task, ToolCall
 
 
 @dataclass(frozen=True)

@@ -486,10 +486,24 @@ class LogitComparison:
 
 
 @torch.no_grad()
-def compare_models(ref, test, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None) -> LogitComparison:
-    """Run both models on `input_ids_BT` and compare their next-token distributions."""
-    lr_BTV = ref(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits.float()
-    lt_BTV = test(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits.float()
+def compare_models(ref, test, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *,
+                   replay_routes: bool = False) -> LogitComparison:
+    """Run both models on `input_ids_BT` and compare their next-token distributions.
+
+    replay_routes: feed the reference's expert choices (`routed_experts` [moe_layers, B*T, k]) to the
+    test model, as rollout routing replay (R3) does in training; this separates the error of the
+    quantized expert weights from the discrete effect of routes that flip. Needs a model that
+    accepts `routed_experts` (this project's HybridMoeForCausalLM).
+    """
+    out_ref = ref(input_ids=input_ids_BT, attention_mask=attention_mask_BT)
+    lr_BTV = out_ref.logits.float()
+    kw = {}
+    if replay_routes:
+        routes = getattr(out_ref, "routed_experts", None)
+        if routes is None:
+            raise ValueError("replay_routes=True needs a reference model that reports routed_experts")
+        kw["routed_experts"] = routes
+    lt_BTV = test(input_ids=input_ids_BT, attention_mask=attention_mask_BT, **kw).logits.float()
     mask_BT = torch.ones_like(input_ids_BT, dtype=torch.bool) if attention_mask_BT is None else attention_mask_BT.bool()
     diff_BTV = (lr_BTV - lt_BTV).abs()
     d_NV = diff_BTV[mask_BT]
@@ -528,51 +542,75 @@ EVAL_TEXTS: tuple[str, ...] = (
 
 
 def bench_model_report(config: str | None, workdir: Path, n_texts: int = 16, seed: int = 0) -> str:
-    """Random-weight model of `config` (default: shipped "small") -> export -> load -> compare; sync bytes."""
+    """Random-weight model of `config` (default: shipped "small") -> export -> load -> compare; sync bytes and gap.
+
+    Each quantized variant is compared twice: with its own routing, and with the reference's routes
+    replayed ("R3"), which isolates the expert-weight error from routes that flip.
+    """
+    import time
+
     import model as jmodel
     from transformers import AutoModelForCausalLM
+
+    from model.chat import load_tokenizer
 
     cfg = jmodel.load_shipped_config(config or "small")
     torch.manual_seed(seed)
     ref = AutoModelForCausalLM.from_config(cfg).eval()
-    src, lines = workdir / "src", []
+    src = workdir / "src"
     ref.save_pretrained(src)
-    from model.chat import load_tokenizer
-
     tok = load_tokenizer()
     texts = list(EVAL_TEXTS[:n_texts])
     enc = tok(texts, return_tensors="pt", padding=True)
     ids_BT, mask_BT = enc["input_ids"], enc["attention_mask"]
-    fp16_bytes = sum(p.numel() for p in ref.state_dict().values()) * 2
-    lines.append(f"# model: {config or 'small'} config, RANDOM weights (seed {seed}), {sum(p.numel() for p in ref.parameters()):,} params; "
-                 f"{len(texts)} fixed texts, {int(mask_BT.sum())} tokens")
-    lines.append(f"{'variant':<26}{'safetensors bytes':>18}{'vs fp16':>9}{'max|dlogit|':>13}{'mean|dlogit|':>14}"
-                 f"{'argmax agree':>14}{'mean|dlogp|':>13}{'KL nats':>10}")
-    src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    lines.append(f"{'fp32 source':<26}{src_bytes:>18,}{src_bytes / fp16_bytes:>9.3f}{0:>13.2e}{0:>14.2e}{1:>14.4f}{0:>13.2e}{0:>10.2e}")
-    bf16 = AutoModelForCausalLM.from_config(cfg).eval()
-    bf16.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ref.state_dict().items()})
-    c = compare_models(ref, bf16, ids_BT, mask_BT)
-    lines.append(f"{'bf16 round-trip (yardstick)':<26}{fp16_bytes:>18,}{1:>9.3f}{c.max_abs_logit_err:>13.2e}{c.mean_abs_logit_err:>14.2e}"
-                 f"{c.next_token_agreement:>14.4f}{c.mean_abs_logprob_gap:>13.2e}{c.mean_kl:>10.2e}")
+    sd = ref.state_dict()
+    fp16_bytes = sum(p.numel() for p in sd.values()) * 2
+    w = 40
+
+    def row(name: str, size: int | None, c: LogitComparison | None) -> str:
+        sz = f"{size:>18,}{size / fp16_bytes:>9.3f}" if size is not None else f"{'':>27}"
+        if c is None:
+            return f"{name:<{w}}{sz}{0:>13.2e}{0:>14.2e}{1:>14.4f}{0:>13.2e}{0:>10.2e}"
+        return (f"{name:<{w}}{sz}{c.max_abs_logit_err:>13.2e}{c.mean_abs_logit_err:>14.2e}"
+                f"{c.next_token_agreement:>14.4f}{c.mean_abs_logprob_gap:>13.2e}{c.mean_kl:>10.2e}")
+
+    def rollout_model(weights: Mapping[str, torch.Tensor]):
+        m = AutoModelForCausalLM.from_config(cfg).eval()
+        m.load_state_dict(dict(weights))
+        return m
+
+    lines = [f"# model: {config or 'small'} config, RANDOM weights (seed {seed}), {sum(p.numel() for p in ref.parameters()):,} "
+             f"params; {len(texts)} fixed texts, {int(mask_BT.sum())} tokens; errors vs the fp32 model",
+             f"{'variant':<{w}}{'safetensors bytes':>18}{'vs fp16':>9}{'max|dlogit|':>13}{'mean|dlogit|':>14}"
+             f"{'argmax agree':>14}{'mean|dlogp|':>13}{'KL nats':>10}",
+             row("fp32 source", sum(f.stat().st_size for f in src.glob("*.safetensors")), None)]
+    bf16 = rollout_model({k: v.to(torch.bfloat16).to(v.dtype) for k, v in sd.items()})
+    lines.append(row("bf16 weights (yardstick)", fp16_bytes, compare_models(ref, bf16, ids_BT, mask_BT)))
+    lines.append(row("bf16 weights [R3 routes]", None, compare_models(ref, bf16, ids_BT, mask_BT, replay_routes=True)))
     del bf16
     for include, rest in (("experts", None), ("experts", torch.bfloat16), ("all_linear", torch.bfloat16)):
         label = f"mxfp4 {include}" + (", rest bf16" if rest is not None else "")
         out = workdir / label.replace(" ", "_").replace(",", "")
         rep = export_mxfp4(src, out, include, rest_dtype=rest)  # type: ignore[arg-type]
         q = load_mxfp4_model(out, dtype=torch.float32)
-        c = compare_models(ref, q, ids_BT, mask_BT)
-        lines.append(f"{label:<26}{rep.file_bytes_out:>18,}{rep.file_bytes_out / fp16_bytes:>9.3f}"
-                     f"{c.max_abs_logit_err:>13.2e}{c.mean_abs_logit_err:>14.2e}{c.next_token_agreement:>14.4f}"
-                     f"{c.mean_abs_logprob_gap:>13.2e}{c.mean_kl:>10.2e}")
+        lines.append(row(label, rep.file_bytes_out, compare_models(ref, q, ids_BT, mask_BT)))
+        lines.append(row(label + " [R3 routes]", None, compare_models(ref, q, ids_BT, mask_BT, replay_routes=True)))
         del q
-    # weight sync: the trainer's in-memory names (fused experts)
-    sd = ref.state_dict()
-    lines.append("# trainer -> rollout sync of the whole state dict (in-memory names, fused experts)")
-    lines.append(f"{'sync format':<26}{'bytes moved':>14}{'vs bf16':>9}{'vs fp32':>9}{'mxfp4 tensors':>15}")
-    for fmt in ("fp32", "bf16", "mxfp4"):
-        sb = count_sync_bytes(pack_for_sync(k, v, fmt) for k, v in sd.items())  # type: ignore[arg-type]
-        lines.append(f"{fmt:<26}{sb.sent:>14,}{sb.vs_bf16:>9.3f}{sb.vs_fp32:>9.3f}{sb.n_mxfp4:>15}")
-    sb = count_sync_bytes(pack_for_sync(k, v, "mxfp4", fallback="bf16") for k, v in sd.items())
-    lines.append(f"{'mxfp4 + bf16 rest':<26}{sb.sent:>14,}{sb.vs_bf16:>9.3f}{sb.vs_fp32:>9.3f}{sb.n_mxfp4:>15}")
+
+    lines.append("# trainer -> rollout weight sync of the whole state dict (in-memory names, fused experts); "
+                 "logprob gap = rollout model (synced weights) vs trainer (fp32)")
+    lines.append(f"{'sync format':<{w}}{'bytes moved':>14}{'vs bf16':>9}{'vs fp32':>9}{'pack+unpack s':>15}"
+                 f"{'mean|dlogp|':>13}{'R3 mean|dlogp|':>16}")
+    for fmt, fallback in (("fp32", "fp32"), ("bf16", "fp32"), ("mxfp4", "fp32"), ("mxfp4", "bf16")):
+        t0 = time.perf_counter()
+        payloads = [pack_for_sync(k, v, fmt, fallback=fallback) for k, v in sd.items()]  # type: ignore[arg-type]
+        synced = {p.name: unpack_from_sync(p) for p in payloads}
+        dt = time.perf_counter() - t0
+        sb = count_sync_bytes(payloads)
+        m = rollout_model(synced)
+        c, cr = compare_models(ref, m, ids_BT, mask_BT), compare_models(ref, m, ids_BT, mask_BT, replay_routes=True)
+        name = fmt + (f" (rest {fallback})" if fmt == "mxfp4" else "")
+        lines.append(f"{name:<{w}}{sb.sent:>14,}{sb.vs_bf16:>9.3f}{sb.vs_fp32:>9.3f}{dt:>15.2f}"
+                     f"{c.mean_abs_logprob_gap:>13.2e}{cr.mean_abs_logprob_gap:>16.2e}")
+        del m, synced, payloads
     return "\n".join(lines)

@@ -112,7 +112,7 @@ class Runtime:
         for d in self.domains:
             tier = cfg.envs.default_tier.get(d, "high")
             ds_train = envs.tasks(self.env_ids[d], "train", seed=cfg.envs.seed)
-            ds_eval = envs.tasks(self.env_ids[d], "test", seed=cfg.envs.seed)
+            ds_eval = envs.tasks(self.env_ids[d], "heldout", seed=cfg.envs.seed)
             self.train_tasks[d] = [self._with_defaults(Task.from_row(r), tier) for r in ds_train]
             self.eval_tasks[d] = [self._with_defaults(Task.from_row(r), tier) for r in ds_eval]
         self.sampler = DomainSampler(self.train_tasks, dict(cfg.envs.weights), seed=cfg.envs.seed,
@@ -263,12 +263,14 @@ class Runtime:
         eps = [e for e in eps if len(e.token_ids) <= self.cfg.rollout.max_model_len]
         log.info("SFT warm start: %d reference trajectories, %d steps", len(eps), steps)
         rng = random.Random(self.cfg.model.seed)
+        ray.get(self.trainer.set_lr.remote(self.cfg.trainer.sft_lr))
         m: dict[str, float] = {}
         bs = max(1, self.cfg.trainer.micro_batch_size)
         for _ in progress(range(steps), desc="sft", total=steps):
             chosen = rng.sample(eps, min(bs, len(eps)))
             batch = self._batch(chosen, [0.0] * len(chosen))
             m = ray.get(self.trainer.sft_step.remote(batch))
+        ray.get(self.trainer.set_lr.remote(self.cfg.trainer.lr))
         self.policy_version = ray.get(self.trainer.version.remote())
         return {**m, "sft/trajectories": float(len(eps))}
 

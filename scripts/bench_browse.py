@@ -9,7 +9,8 @@ Compares, in one run:
     point of using an index);
   * page fetch: over HTTP from the local server vs reading the file directly (the cost of a real web),
     and HTTP requests/s with 1, 16 and 64 client threads;
-  * episodes: reference episodes through ToolEnv, one at a time vs 64 concurrent on one server.
+  * episodes: reference episodes through ToolEnv, one at a time vs 64 concurrent on one server, with
+    the server in a thread of the episode process vs in its own process.
 """
 from __future__ import annotations
 
@@ -111,24 +112,28 @@ def main() -> None:
         t_http = (time.perf_counter() - t0) / len(paths)
         print(f"fetch   HTTP {t_http * 1e3:6.2f} ms/page | direct file read {t_disk * 1e3:6.3f} ms/page "
               f"| HTTP overhead {t_http / t_disk:5.1f}x")
-        rates = []
-        for threads in (1, 16, 64):
-            work = paths * (1 if threads == 1 else 2)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                statuses = list(ex.map(lambda p: client.page(p).status, work))
-            dt = time.perf_counter() - t0
-            assert set(statuses) == {200}
-            rates.append((threads, len(work) / dt))
-        print("serve   " + " | ".join(f"{t:2d} client threads {r:7.0f} req/s" for t, r in rates)
+    for label, proc in (("thread ", False), ("process", True)):
+        with BrowseServer(disk, index, process=proc) as srv:
+            client = BrowseClient.for_server(srv)
+            rates = []
+            for threads in (1, 16, 64):
+                work = paths * (1 if threads == 1 else 2)
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(threads) as ex:
+                    statuses = list(ex.map(lambda p: client.page(p).status, work))
+                dt = time.perf_counter() - t0
+                assert set(statuses) == {200}
+                rates.append((threads, len(work) / dt))
+        print(f"serve   server in a {label}: " + " | ".join(f"{t:2d} client threads {r:7.0f} req/s" for t, r in rates)
               + f" | 64 vs 1: {rates[-1][1] / rates[0][1]:.2f}x")
 
     built = BuiltCorpus(disk, tmp / "c" / "index.sqlite", tmp / "c")
     tasks = corpus_tasks(disk, "train", 0, 64)
-    plans = [(t, BrowseDomain(built).reference(t)) for t in tasks]
+    with BrowseServer(disk, index) as srv:
+        plans = [(t, BrowseDomain(built, server=srv).reference(t)) for t in tasks]
 
-    async def play(t, calls):
-        env = ToolEnv(BrowseDomain(built))
+    async def play(t, calls, server):
+        env = ToolEnv(BrowseDomain(built, server=server))
         try:
             await env.reset(t)
             for m in messages_for_calls(calls):
@@ -137,22 +142,25 @@ def main() -> None:
         finally:
             env.close()
 
-    async def sequential():
-        return [await play(t, c) for t, c in plans]
+    async def sequential(server):
+        return [await play(t, c, server) for t, c in plans]
 
-    async def concurrent():
-        return await asyncio.gather(*(play(t, c) for t, c in plans))
+    async def concurrent(server):
+        return await asyncio.gather(*(play(t, c, server) for t, c in plans))
 
-    t0 = time.perf_counter()
-    r1 = asyncio.run(sequential())
-    t_seq = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    r2 = asyncio.run(concurrent())
-    t_con = time.perf_counter() - t0
     calls = statistics.mean(len(c) for _, c in plans)
-    print(f"episode {len(plans)} reference episodes ({calls:.1f} calls each): sequential {t_seq:5.2f} s "
-          f"({len(plans) / t_seq:5.1f} ep/s) | 64 concurrent {t_con:5.2f} s ({len(plans) / t_con:5.1f} ep/s) "
-          f"| speed-up {t_seq / t_con:4.2f}x | reward mean {statistics.mean(r1):.2f} / {statistics.mean(r2):.2f}")
+    print(f"episode {len(plans)} reference episodes, {calls:.1f} tool calls each:")
+    for label, proc in (("server in a thread ", False), ("server in a process", True)):
+        with BrowseServer(disk, index, process=proc) as srv:
+            t0 = time.perf_counter()
+            r1 = asyncio.run(sequential(srv))
+            t_seq = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            r2 = asyncio.run(concurrent(srv))
+            t_con = time.perf_counter() - t0
+        assert r1 == r2 == [1.0] * len(plans)
+        print(f"        {label}: sequential {t_seq:5.2f} s ({len(plans) / t_seq:5.1f} ep/s) | 64 concurrent "
+              f"{t_con:5.2f} s ({len(plans) / t_con:5.1f} ep/s) | concurrent/sequential {t_seq / t_con:4.2f}x")
 
 
 if __name__ == "__main__":

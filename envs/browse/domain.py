@@ -25,7 +25,7 @@ from envs.browse.agent import Route, run_on_session
 from envs.browse.build import BuiltCorpus, ensure_index, load_or_build
 from envs.browse.corpus import Corpus, Question
 from envs.browse.grading import grade_answer
-from envs.browse.server import BrowseClient, shared_server
+from envs.browse.server import BrowseClient, BrowseServer, shared_server
 from envs.browse.session import VIRTUAL_HOST, BrowseInputError, BrowseSession
 from envs.tools import ToolArgError, tool
 from envs.types import Limits, Message, Task
@@ -57,9 +57,11 @@ class BrowseDomain(Domain):
 
     rubric = Rubric(terms=(Term("correct", check("correct")),), truncated_reward=0.0, error_reward=0.0)
 
-    def __init__(self, built: BuiltCorpus | None = None, *, pages: int = 10_000, seed: int = 0):
+    def __init__(self, built: BuiltCorpus | None = None, *, pages: int = 10_000, seed: int = 0,
+                 server: BrowseServer | None = None):
         self.built = built if built is not None else synthetic_corpus(pages, seed)
-        self.server = shared_server(self.built)
+        # Default: the process-wide server for this corpus (a child process); tests may pass their own.
+        self.server = server if server is not None else shared_server(self.built)
         self.session: BrowseSession | None = None
         self._answer: str | None = None
         self.nav_errors = 0

@@ -18,16 +18,24 @@ import atexit
 import http.client
 import ipaddress
 import json
-import multiprocessing
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
 from envs.browse.build import BuiltCorpus
 from envs.browse.corpus import Corpus, check_path
 from envs.browse.index import SearchError, SearchHit, SearchIndex
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class FetchError(RuntimeError):
@@ -105,24 +113,28 @@ class _PooledServer(HTTPServer):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _child_main(corpus: Corpus, index_path: str, host: str, port: int, max_workers: int, max_pending: int,
-                conn) -> None:
-    """Body of the server process: serve until the parent says stop or goes away (pipe EOF)."""
+def _child_main() -> None:
+    """`python -m envs.browse.server`: read (corpus, index path, ...) as a pickle on stdin, print the
+    port on stdout, serve until stdin reaches EOF (the parent closed it, or died: no orphans)."""
+    import pickle
+    import struct
+    import sys
+
+    stdin = sys.stdin.buffer
+    (size,) = struct.unpack("!Q", stdin.read(8))
+    corpus, index_path, host, port, max_workers, max_pending = pickle.loads(stdin.read(size))
     try:
         srv = _PooledServer((host, port), corpus, SearchIndex(index_path), max_workers, max_pending)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return
-    conn.send(("ok", srv.server_address[:2]))
 
     def watch_parent() -> None:
-        try:
-            conn.recv()  # "stop", or EOFError when the parent process dies: no orphaned servers
-        except (EOFError, OSError):
-            pass
+        stdin.read()  # blocks until EOF
         srv.shutdown()
 
     threading.Thread(target=watch_parent, daemon=True).start()
+    print(json.dumps({"host": srv.server_address[0], "port": srv.server_address[1]}), flush=True)
     srv.serve_forever(poll_interval=0.2)
     srv.server_close()
 
@@ -130,11 +142,12 @@ def _child_main(corpus: Corpus, index_path: str, host: str, port: int, max_worke
 class BrowseServer:
     """A started HTTP server for one corpus. Use as a context manager, or `shared_server` per process.
 
-    process=True runs the server in its own (spawned) process: request handling then never competes
-    for the GIL with the threads that step episodes, which matters with dozens of concurrent
-    episodes (see docs/browse.md for the measured difference). The corpus object is pickled to the
-    child, so it must be picklable (DiskCorpus and DirectoryCorpus are). process=False serves from
-    a thread of this process (any corpus; used by unit tests).
+    process=True runs the server in a child Python process (`python -m envs.browse.server`): request
+    handling then never competes for the GIL with the threads that step episodes, which matters with
+    dozens of concurrent episodes (docs/browse.md has the measured difference). The corpus object is
+    pickled to the child, so it must be picklable (DiskCorpus and DirectoryCorpus are). The child
+    exits when its stdin closes, i.e. on `close()` or when this process dies. process=False serves
+    from a thread of this process (any corpus object).
     """
 
     def __init__(self, corpus: Corpus, index: SearchIndex, host: str = "127.0.0.1", port: int = 0,
@@ -144,31 +157,37 @@ class BrowseServer:
         if max_workers < 1 or max_pending < max_workers:
             raise ValueError(f"need 1 <= max_workers <= max_pending, got {max_workers}, {max_pending}")
         self.closed = False
-        self.process = None
+        self.process: subprocess.Popen | None = None
         self._srv = None
         self._thread = None
         self.max_workers = max_workers
         if process:
-            ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads / engines
-            self._conn, child = ctx.Pipe()
-            self.process = ctx.Process(target=_child_main, name="browse-server", daemon=True,
-                                       args=(corpus, str(index.db_path), host, port, max_workers, max_pending, child))
-            self.process.start()
-            child.close()
-            if not self._conn.poll(start_timeout_s):
-                self.close()
-                raise RuntimeError(f"browse server process did not start within {start_timeout_s} s")
-            status, payload = self._conn.recv()
-            if status != "ok":
-                self.close()
-                raise RuntimeError(f"browse server process failed to start: {payload}")
-            self.host, self.port = payload
+            self.host, self.port = self._start_child(corpus, index, host, port, max_workers, max_pending, start_timeout_s)
         else:
             self._srv = _PooledServer((host, port), corpus, index, max_workers, max_pending)
             self.host, self.port = self._srv.server_address[:2]
             self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.2},
                                             name=f"browse-server:{self.port}", daemon=True)
             self._thread.start()
+
+    def _start_child(self, corpus, index, host, port, max_workers, max_pending, timeout_s) -> tuple[str, int]:
+        payload = pickle.dumps((corpus, str(index.db_path), host, port, max_workers, max_pending))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        self.process = subprocess.Popen([sys.executable, "-m", "envs.browse.server"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, cwd=str(_REPO_ROOT))
+        self.process.stdin.write(struct.pack("!Q", len(payload)) + payload)
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        line = self.process.stdout.readline() if ready else b""
+        try:
+            info = json.loads(line)
+        except ValueError:
+            info = {"error": f"no answer within {timeout_s} s (exit code {self.process.poll()})"}
+        if "error" in info:
+            self.close()
+            raise RuntimeError(f"browse server process failed to start: {info['error']}")
+        return info["host"], int(info["port"])
 
     @property
     def base_url(self) -> str:
@@ -180,14 +199,15 @@ class BrowseServer:
         self.closed = True
         if self.process is not None:
             try:
-                self._conn.send("stop")
-            except (OSError, ValueError):
+                self.process.stdin.close()  # EOF: the child shuts its server down and exits
+            except OSError:
                 pass
-            self.process.join(timeout=5)
-            if self.process.is_alive():  # our own child, by handle
-                self.process.terminate()
-                self.process.join(timeout=5)
-            self._conn.close()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # our own child, by handle
+                self.process.kill()
+                self.process.wait(timeout=5)
+            self.process.stdout.close()
         if self._srv is not None:
             self._srv.shutdown()
             self._srv.server_close()
@@ -261,3 +281,7 @@ class BrowseClient:
             raise SearchError(data.get("error", f"search failed with HTTP {r.status}"))
         return [SearchHit(rank=d["rank"], path=d["url"], title=d["title"], snippet=d["snippet"], score=d["score"])
                 for d in data["results"]]
+
+
+if __name__ == "__main__":
+    _child_main()

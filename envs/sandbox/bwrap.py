@@ -22,7 +22,7 @@ What one sandbox (`BwrapBackend.open`) gives, and how:
   slot (`hostctl.SlotCgroup`; if cgroups are not writable the sandbox runs on rlimits alone and
   says so in the log and in `BwrapSandbox.cgroup_ok`).
 * **Commands.** A small executor (`_server.py`) runs as pid 1 of the sandbox's pid namespace; each
-  `run` hands it a command and three pipe ends, so a command costs a fork+exec, not a bwrap
+  `run` hands it a command and three pipe ends, so a command costs a posix_spawn, not a bwrap
   start-up. After each command it SIGKILLs everything else in the namespace (setsid daemons, `&`
   jobs). The host drains stdout/stderr with a hard byte cap (head + tail kept, the middle dropped
   and flagged) and, at the wall-clock deadline, kills the namespace's pid 1 through a pidfd, which
@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
@@ -186,6 +187,8 @@ class BwrapBackend(SandboxBackend):
         self._slots = hostctl.SlotAllocator(config.state_dir / "locks", config.first_uid, config.n_slots)
         self._open_boxes: "weakref.WeakSet[BwrapSandbox]" = weakref.WeakSet()
         self._warned_cgroup = False
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bwrap-spawner")
+        self.sweep_stale()
         atexit.register(self._close_all)
 
     # ------------------------------------------------------------------ public API
@@ -203,7 +206,8 @@ class BwrapBackend(SandboxBackend):
         """A fresh sandbox for trusted checks, with the agent's files as read-only data at `agent_dir`.
 
         `agent` is the episode's sandbox (killed first, then its regular files copied; symlinks and
-        special files are skipped), or a mapping of relative path -> bytes, or None. `files` (the
+        special files are skipped, and files over the caps are left out rather than raising, listed
+        in `.agent_copy`), or a mapping of relative path -> bytes, or None. `files` (the
         grader's tests, references) go into `/work`, owned by the pristine sandbox's uid. PATH is the
         clean `/usr/local/bin:/usr/bin:/bin` from the host's read-only /usr, so nothing the agent
         wrote can stand in for python3 or pytest unless the grader runs it explicitly. Do not put
@@ -225,12 +229,22 @@ class BwrapBackend(SandboxBackend):
             dst = box.slot_dir / "agent"
             dst.mkdir(mode=0o755)
             if isinstance(agent, BwrapSandbox):
-                safefs.copy_tree_as_data(str(agent.workdir_host), str(dst), max_files=max_agent_files,
-                                         max_total_bytes=agent.limits.workdir_mb * MiB,
-                                         max_file_bytes=max_agent_file_bytes)
+                box.agent_copy = safefs.copy_tree_as_data(
+                    str(agent.workdir_host), str(dst), max_files=max_agent_files,
+                    max_total_bytes=agent.limits.workdir_mb * MiB, max_file_bytes=max_agent_file_bytes)
             elif isinstance(agent, Sandbox):
-                for rel in agent.list_artifacts(max_files=max_agent_files):
-                    safefs.write_file(str(dst), rel, agent.read_artifact(rel, max_bytes=max_agent_file_bytes))
+                copied, skipped = [], []
+                try:
+                    rels = agent.list_artifacts(max_files=max_agent_files)
+                except safefs.ArtifactError as e:
+                    rels, skipped = [], [("*", str(e))]
+                for rel in rels:
+                    try:
+                        safefs.write_file(str(dst), rel, agent.read_artifact(rel, max_bytes=max_agent_file_bytes))
+                        copied.append(rel)
+                    except (safefs.ArtifactError, FileNotFoundError) as e:
+                        skipped.append((rel, str(e)))
+                box.agent_copy = safefs.CopyReport(copied=tuple(copied), skipped=tuple(skipped))
             elif isinstance(agent, Mapping):
                 for rel, data in agent.items():
                     safefs.write_file(str(dst), rel, data)
@@ -264,6 +278,44 @@ class BwrapBackend(SandboxBackend):
         self._open_boxes.add(box)
         return box
 
+    def _spawn(self, args: list[str], **popen_kw) -> subprocess.Popen:
+        """Popen from one long-lived thread: bwrap's --die-with-parent (PR_SET_PDEATHSIG) fires when
+        the *thread* that forked it exits, so a sandbox opened from a short-lived worker thread
+        would otherwise die with that thread."""
+        return self._spawner.submit(subprocess.Popen, args, **popen_kw).result()
+
+    def _sweep_slot(self, uid: int, *, has_procs: bool | None = None) -> bool:
+        """Kill processes, unmount the work dir and remove the cgroup of a slot whose lock we hold."""
+        slot_dir = self.config.state_dir / f"slot-{uid}"
+        had = bool(hostctl.pids_of_uid(uid)) if has_procs is None else has_procs
+        if had:
+            hostctl.kill_uid(uid)
+        if os.path.ismount(slot_dir):
+            had = True
+            hostctl.unmount(slot_dir)
+        return hostctl.SlotCgroup.remove_stale(f"jointrl-slot-{uid}") or had
+
+    def sweep_stale(self) -> list[int]:
+        """Clean every slot no live process holds (a crashed owner's mounts, cgroups, processes).
+
+        Returns the uids that had leftovers. `open()` sweeps the slot it takes anyway; the
+        constructor calls this so leftovers do not sit in memory until their slot comes round again.
+        """
+        with_procs = hostctl.uids_with_processes()
+        cleaned = []
+        for uid in self._slots.uids:
+            slot = self._slots.try_acquire(uid)
+            if slot is None:
+                continue
+            try:
+                if self._sweep_slot(uid, has_procs=uid in with_procs):
+                    cleaned.append(uid)
+            finally:
+                self._slots.release(slot)
+        if cleaned:
+            log.warning("swept leftovers of crashed sandboxes for slot uids %s", cleaned)
+        return cleaned
+
     def _close_all(self) -> None:
         for box in list(self._open_boxes):
             try:
@@ -292,11 +344,10 @@ class BwrapSandbox(Sandbox):
         self._pidfd: int | None = None
         self._ctl: socket.socket | None = None
         self.restarts = 0  # namespaces started after the first (timeouts, killed executor)
+        self.agent_copy: safefs.CopyReport | None = None  # pristine sandboxes: what was copied to /agent
 
-        # Sweep whatever a crashed previous owner of this uid left behind.
-        hostctl.kill_uid(self.uid)
+        backend._sweep_slot(self.uid)  # whatever a crashed previous owner of this uid left behind
         self.slot_dir = self.config.state_dir / f"slot-{self.uid}"
-        hostctl.unmount(self.slot_dir)
         self.slot_dir.mkdir(mode=0o711, exist_ok=True)
         size = limits.workdir_mb * MiB
         # bwrap (running as the slot uid) resolves bind sources by path, so they must be traversable
@@ -412,9 +463,10 @@ class BwrapSandbox(Sandbox):
         try:
             # rlimits: this host may lack CAP_SYS_RESOURCE (then prlimit(2) on another uid's process
             # is refused), so util-linux `prlimit` lowers its own limits as the slot uid and execs bwrap.
-            proc = subprocess.Popen(self._prlimit_args() + self._bwrap_args(fds), user=self.uid, group=self.uid, extra_groups=[],
-                                    pass_fds=child_ends, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=errfile, start_new_session=True, env={})
+            proc = self.backend._spawn(
+                self._prlimit_args() + self._bwrap_args(fds), user=self.uid, group=self.uid, extra_groups=[],
+                pass_fds=child_ends, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=errfile, start_new_session=True, env={})
         except BaseException:
             for fd in child_ends[:-1]:
                 os.close(fd)
@@ -681,6 +733,13 @@ class BwrapSandbox(Sandbox):
             raise RuntimeError(f"sandbox slot {self.uid} is closed")
         return safefs.read_file(str(self.workdir_host), path, max_bytes)
 
+    def stat_artifact(self, path: str) -> safefs.PathStat:
+        """Type, permission bits, size and owner of an agent entry, without following it (not in the
+        base interface yet: graders checking `chmod` tasks need it; see docs/sandbox.md)."""
+        if self._closed:
+            raise RuntimeError(f"sandbox slot {self.uid} is closed")
+        return safefs.stat_path(str(self.workdir_host), path)
+
     def list_artifacts(self, max_files: int = 10_000) -> list[str]:
         if self._closed:
             raise RuntimeError(f"sandbox slot {self.uid} is closed")
@@ -709,13 +768,13 @@ class BwrapSandbox(Sandbox):
             self.kill_all()
         finally:
             try:
-                if self.cgroup is not None:
-                    self.cgroup.remove()
-                hostctl.unmount(self.slot_dir)
+                hostctl.unmount(self.slot_dir)  # first: its pages are charged to the memory cgroup
                 try:
                     self.slot_dir.rmdir()
                 except OSError:
                     pass
+                if self.cgroup is not None:
+                    self.cgroup.remove()
             finally:
                 self.backend._slots.release(self._slot)
                 self.backend._open_boxes.discard(self)

@@ -62,28 +62,37 @@ def unmount(path: Path) -> None:
             raise OSError(err, f"umount {path}: {os.strerror(err)}")
 
 
+def uids_with_processes() -> set[int]:
+    """Real uids of all live processes (one /proc scan)."""
+    out: set[int] = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            uid = _live_uid(name)
+            if uid is not None:
+                out.add(uid)
+    return out
+
+
+def _live_uid(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    return None
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return None
+
+
 def pids_of_uid(uid: int) -> list[int]:
     """Live (non-zombie) host pids whose real uid is `uid`.
 
     Read from /proc/PID/status, not the owner of /proc/PID: non-dumpable tasks show root as owner.
     Zombies are skipped: they hold no resources and cannot be killed, only reaped by their parent.
     """
-    out: list[int] = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
-                        break
-                    if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid:
-                            out.append(int(name))
-                        break
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return out
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and _live_uid(name) == uid]
 
 
 def kill_uid(uid: int, *, timeout_s: float = 5.0) -> bool:
@@ -124,15 +133,20 @@ class SlotAllocator:
         if not self.uids:
             raise ValueError(f"all uids {first_uid}..{first_uid + n_slots - 1} belong to /etc/passwd users")
 
+    def try_acquire(self, uid: int) -> Slot | None:
+        fd = os.open(self.lock_dir / f"slot-{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return Slot(uid=uid, lock_fd=fd)
+
     def acquire(self) -> Slot:
         for uid in self.uids:
-            fd = os.open(self.lock_dir / f"slot-{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            return Slot(uid=uid, lock_fd=fd)
+            slot = self.try_acquire(uid)
+            if slot is not None:
+                return slot
         raise RuntimeError(f"all {len(self.uids)} sandbox slots are in use; close sandboxes or raise n_slots")
 
     @staticmethod
@@ -201,6 +215,21 @@ class SlotCgroup:
         except OSError as e:
             self.why = f"{e.strerror or e} ({e.filename or ''})"
             self.remove()
+
+    @classmethod
+    def remove_stale(cls, name: str, root: Path = Path("/sys/fs/cgroup")) -> bool:
+        """Kill and remove a leftover cgroup `name` (any hierarchy); True if there was one."""
+        try:
+            own = _own_cgroup_paths()
+        except OSError:
+            return False
+        found = False
+        for ctrl, path in own.items():
+            d = root / ctrl / path.lstrip("/") / name if ctrl else root / path.lstrip("/") / name
+            if d.is_dir():
+                found = True
+                cls._kill_and_rmdir(d)
+        return found
 
     def _fresh(self, d: Path) -> None:
         if d.exists():  # stale from a crashed owner of this slot

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
 from typing import Iterator
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -112,6 +113,42 @@ def read_file(root: str, path: str, max_bytes: int, *, inside_prefix: str = "/wo
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class PathStat:
+    """What `stat_path` reports about one entry (the entry itself: a symlink is reported as a link)."""
+
+    kind: str  # "file", "dir", "symlink", "fifo", "socket", "char", "block"
+    mode: int  # permission bits only (e.g. 0o755)
+    size: int
+    uid: int
+
+
+_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
+          (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char"), (stat.S_ISBLK, "block"))
+
+
+def stat_path(root: str, path: str, *, inside_prefix: str = "/work") -> PathStat:
+    """lstat an entry under `root`; parent directories must be plain directories (no symlinks)."""
+    parts = split_relpath(path, inside_prefix=inside_prefix)
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        try:
+            dfd = _open_dir_chain(root_fd, parts[:-1])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no artifact {path!r}") from None
+    finally:
+        os.close(root_fd)
+    try:
+        try:
+            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no artifact {path!r}") from None
+    finally:
+        os.close(dfd)
+    kind = next(name for test, name in _KINDS if test(st.st_mode))
+    return PathStat(kind=kind, mode=stat.S_IMODE(st.st_mode), size=st.st_size, uid=st.st_uid)
+
+
 def write_file(root: str, path: str, data: bytes, mode: int = 0o644, *,
                owner: tuple[int, int] | None = None, inside_prefix: str = "/work") -> None:
     """Create/replace a regular file under `root`, creating parent dirs; never follows symlinks."""
@@ -173,20 +210,43 @@ def list_files(root: str, max_files: int) -> list[str]:
     return sorted(rel for rel, _, _ in iter_regular_files(root, max_files))
 
 
+@dataclass(frozen=True)
+class CopyReport:
+    """What `copy_tree_as_data` copied, and what it left out and why (a link, a cap)."""
+
+    copied: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]  # (relative path or "*", reason)
+
+
 def copy_tree_as_data(src_root: str, dst_root: str, *, max_files: int, max_total_bytes: int,
-                      max_file_bytes: int) -> list[str]:
+                      max_file_bytes: int) -> CopyReport:
     """Copy the regular files of an agent dir into a trusted dir as plain data.
 
-    Symlinks, devices, FIFOs and sockets are skipped; files get mode 0644 (0755 if the owner could
-    execute them) and belong to the caller; a size or count over its cap raises ArtifactError.
+    Symlinks, devices, FIFOs and sockets are skipped silently (they are not files); files get mode
+    0644 (0755 if the owner could execute them) and belong to the caller. Caps never raise: a file
+    over `max_file_bytes` is skipped, and copying stops at `max_files` / `max_total_bytes`, all
+    recorded in the report. An agent that floods its work dir so gets an incomplete copy (its
+    checks fail), not a grading error.
     """
     total = 0
     copied: list[str] = []
-    for rel, size, mode in iter_regular_files(src_root, max_files):
-        data = read_file(src_root, rel, max_file_bytes)
-        total += len(data)
-        if total > max_total_bytes:
-            raise ArtifactError(f"agent files exceed {max_total_bytes} bytes in total")
-        write_file(dst_root, rel, data, 0o755 if mode & stat.S_IXUSR else 0o644)
-        copied.append(rel)
-    return copied
+    skipped: list[tuple[str, str]] = []
+    try:
+        for rel, size, mode in iter_regular_files(src_root, max_files):
+            if size > max_file_bytes:
+                skipped.append((rel, f"{size} bytes > {max_file_bytes}"))
+                continue
+            if total + size > max_total_bytes:
+                skipped.append((rel, f"total over {max_total_bytes} bytes"))
+                continue
+            try:
+                data = read_file(src_root, rel, max_file_bytes)
+            except (ArtifactError, FileNotFoundError) as e:
+                skipped.append((rel, str(e)))
+                continue
+            total += len(data)
+            write_file(dst_root, rel, data, 0o755 if mode & stat.S_IXUSR else 0o644)
+            copied.append(rel)
+    except ArtifactError as e:  # more than max_files
+        skipped.append(("*", str(e)))
+    return CopyReport(copied=tuple(copied), skipped=tuple(skipped))

@@ -20,7 +20,6 @@ import abc
 import bz2
 import calendar
 import csv
-import gzip
 import io
 import json
 import lzma

@@ -59,6 +59,8 @@ class LoopSettings:
     max_turns: int | None = None  # None: the task's own limit
     end_token_id: int = 3  # <|im_end|>
     min_room: int = 8  # stop (truncated) when fewer tokens than this fit in the context
+    # Strings that must not appear verbatim in tool output (the tokenizer's special tokens).
+    special_strings: tuple[str, ...] = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image|>")
 
 
 class BatchingGenerator:
@@ -135,6 +137,23 @@ class BatchingGenerator:
                     fut.set_exception(e)
 
 
+def _defuse(m: Message, specials: Sequence[str]) -> Message:
+    """Tool/user text must never become chat-structure tokens: break up special-token strings.
+
+    An environment's output (a file the agent cat-ed, a web page) could otherwise contain
+    `<|im_end|><|im_start|>assistant` and forge turns the policy never wrote.
+    """
+    text = m.content
+    for s in specials:
+        if s in text:
+            text = text.replace(s, s[:2] + "\u200b" + s[2:])
+    if text == m.content:
+        return m
+    from dataclasses import replace
+
+    return replace(m, content=text)
+
+
 def _thinking_budget(settings: LoopSettings, tier: str) -> int | None:
     b = settings.thinking_budgets.get(tier, -1)
     return None if b is None or b < 0 else int(b)
@@ -198,9 +217,10 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             if step.terminated or step.truncated:
                 terminated, truncated = step.terminated, step.truncated
                 break
-            history.extend(step.messages)
+            new_msgs = [_defuse(m, settings.special_strings) for m in step.messages]
+            history.extend(new_msgs)
             # Append only the new turns' tokens: earlier tokens are never re-tokenised.
-            new_ids = tok.encode(codec.render_turn_suffix(list(step.messages)), add_special_tokens=False)
+            new_ids = tok.encode(codec.render_turn_suffix(new_msgs), add_special_tokens=False)
             if len(tokens) + len(new_ids) + settings.min_room > settings.max_model_len:
                 truncated = True
                 break

@@ -38,6 +38,9 @@ class TrainerWorker:
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.t.sft_step(batch)
 
+    def set_lr(self, lr: float) -> None:
+        self.t.set_lr(lr)
+
     def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32") -> list[dict[str, Any]]:
         """The current weights as buckets of checkpoint-named tensors (see rl/weights.py)."""
         from rl.weights import export_buckets

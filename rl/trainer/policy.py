@@ -247,6 +247,13 @@ class PolicyTrainer:
         self.version += 1
         return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm}
 
+    def set_lr(self, lr: float) -> None:
+        """Change the base learning rate (e.g. SFT warm start vs RL); the schedule's shape is kept."""
+        if self.scheduler is not None:
+            self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
     def _grad_norm(self) -> float:
         """Pre-clipping global grad norm of the step just taken (DeepSpeed computes it across ranks)."""
         g = self.engine.get_global_grad_norm()

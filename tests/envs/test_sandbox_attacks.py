@@ -273,6 +273,7 @@ def test_replaced_python_and_pytest_cannot_fool_the_pristine_grader(backend):
                  b"sys.exit(0 if ans == 'right' else 1)\n")
         grader = backend.open_pristine(agent=agent, files={"check.py": check}, limits=SMALL)
         assert grader.uid != agent.uid
+        assert "answer.txt" in grader.agent_copy.copied and "python3" not in grader.agent_copy.copied
         assert not [p for p in uid_pids(agent.uid)]  # the agent's processes died before grading
         r = grader.run("python3 check.py", timeout_s=10, env={"PATH": "/usr/bin:/bin"})
         assert r.exit_code == 1 and "real python" in r.stdout and "/usr/bin/python3" in r.stdout, r.stdout + r.stderr
@@ -288,3 +289,103 @@ def test_replaced_python_and_pytest_cannot_fool_the_pristine_grader(backend):
             grader.close()
             assert_no_process(grader.uid)
         assert_no_process(agent.uid)
+
+
+def test_blocked_syscalls_in_the_real_kernel(box):
+    """Each syscall on the deny-list, called for real inside the sandbox, fails with the policy's errno."""
+    code = r'''
+import ctypes, errno, os, platform, socket
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {"x86_64": dict(ptrace=101, mount=165, bpf=321, io_uring_setup=425, keyctl=250, unshare=272, setns=308,
+                     clone3=435, process_vm_readv=310, perf_event_open=298, userfaultfd=323, add_key=248),
+      "aarch64": dict(ptrace=117, mount=40, bpf=280, io_uring_setup=425, keyctl=219, unshare=97, setns=268,
+                      clone3=435, process_vm_readv=270, perf_event_open=241, userfaultfd=282, add_key=217)}[platform.machine()]
+PTRACE_TRACEME, CLONE_NEWUSER, CLONE_NEWNET, KEYCTL_GET_KEYRING_ID = 0, 0x10000000, 0x40000000, 0
+def call(name, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(nr[name], *[ctypes.c_long(a) for a in args])
+    return errno.errorcode.get(ctypes.get_errno(), "OK") if r == -1 else "OK"
+print("ptrace", call("ptrace", PTRACE_TRACEME, 0, 0, 0))
+print("mount", call("mount", 0, 0, 0, 0, 0))
+print("bpf", call("bpf", 0, 0, 0))
+print("io_uring_setup", call("io_uring_setup", 8, 0))
+print("keyctl", call("keyctl", KEYCTL_GET_KEYRING_ID, -3, 0))
+print("add_key", call("add_key", 0, 0, 0, 0, 0))
+print("unshare_user", call("unshare", CLONE_NEWUSER))
+print("unshare_net", call("unshare", CLONE_NEWNET))
+print("setns", call("setns", 0, 0))
+print("clone3", call("clone3", 0, 0))
+print("process_vm_readv", call("process_vm_readv", 1, 0, 0, 0, 0, 0))
+print("perf_event_open", call("perf_event_open", 0, 0, -1, -1, 0))
+print("userfaultfd", call("userfaultfd", 0))
+for fam in (socket.AF_INET, socket.AF_INET6):
+    try:
+        socket.socket(fam, socket.SOCK_DGRAM); print("inet", "OK")
+    except OSError as e:
+        print("inet", errno.errorcode[e.errno])
+a, b = socket.socketpair(); a.send(b"x"); print("unix", "OK" if b.recv(1) == b"x" else "bad")
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+print("fork", "OK" if os.waitpid(pid, 0)[1] == 0 else "bad")
+with open("/proc/self/status") as f:
+    print("nnp", [l.split()[1] for l in f if l.startswith("NoNewPrivs")][0])
+'''
+    r = box.run(["python3", "-c", code], timeout_s=20)
+    got = dict(line.split() for line in r.stdout.splitlines())
+    assert got == {
+        "ptrace": "EPERM", "mount": "EPERM", "bpf": "EPERM", "io_uring_setup": "EPERM", "keyctl": "EPERM",
+        "add_key": "EPERM", "unshare_user": "EPERM", "unshare_net": "EPERM", "setns": "EPERM", "clone3": "ENOSYS",
+        "process_vm_readv": "EPERM", "perf_event_open": "EPERM", "userfaultfd": "EPERM",
+        "inet": "EAFNOSUPPORT", "unix": "OK", "fork": "OK", "nnp": "1"}, r.stdout + r.stderr
+    # and the shell-level view: no nested user namespace
+    r2 = box.run("unshare -Ur true 2>/dev/null || echo no-userns", timeout_s=10)
+    assert r2.stdout == "no-userns\n"
+
+
+def test_crashed_owner_is_swept(backend):
+    """A process that dies without close() leaves a mount and a cgroup; the next owner cleans them."""
+    import subprocess
+    import sys
+
+    code = ("import os; from envs.sandbox.bwrap import BwrapBackend;"
+            "b = BwrapBackend(); s = b.open(); s.run('echo stale > stale.txt; sleep 300 &', timeout_s=10);"
+            "print(s.uid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    uid = int(out.stdout.split()[0])
+    slot_dir = backend.config.state_dir / f"slot-{uid}"
+    assert os.path.ismount(slot_dir)  # the crash left its work dir behind...
+    assert uid in backend.sweep_stale()  # ...and a sweep takes it away
+    assert not os.path.ismount(slot_dir)
+    assert_no_process(uid)
+    from envs.sandbox import hostctl
+
+    assert not hostctl.SlotCgroup.remove_stale(f"jointrl-slot-{uid}")  # no cgroup left either
+
+
+def test_runs_on_rlimits_alone_without_cgroups(caplog):
+    from envs.sandbox import hostctl
+    from envs.sandbox.bwrap import BwrapBackend, BwrapConfig
+
+    make_backend()
+    cg = hostctl.SlotCgroup("jointrl-test-nocg", max_pids=10, memory_bytes=1 << 30, root=Path("/nonexistent"))
+    assert not cg.ok and cg.why  # an unusable hierarchy is reported, not raised
+    b = BwrapBackend(BwrapConfig(use_cgroups=False))
+    sb = b.open(limits=SMALL)
+    try:
+        assert not sb.cgroup_ok
+        r, dt = timed(sb, ":(){ :|:& };:", timeout_s=2)  # RLIMIT_NPROC holds it; the wall clock ends it
+        assert dt < 5
+        assert sb.run("echo ok", timeout_s=10).stdout == "ok\n"
+    finally:
+        sb.close()
+        assert_no_process(sb.uid)
+
+
+def test_refuses_without_root(monkeypatch):
+    from envs.sandbox.base import SandboxUnavailable
+    from envs.sandbox.bwrap import BwrapBackend
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxUnavailable, match="needs root"):
+        BwrapBackend()

@@ -66,6 +66,14 @@ def test_exit_codes_stdin_argv_cwd_env(box):
         box.run([], timeout_s=1)
 
 
+def test_large_and_unicode_commands(box):
+    long_cmd = "echo " + "x" * 100_000 + " | wc -c"  # the env layer caps arguments at 100k chars
+    assert box.run(long_cmd, timeout_s=10).stdout.strip() == "100001"
+    assert box.run("echo 'héllo ✓'", timeout_s=10).stdout == "héllo ✓\n"
+    r = box.run("printf '\\xff\\xfe'", timeout_s=10)  # invalid UTF-8 output is replaced, not raised
+    assert r.exit_code == 0 and r.stdout == "\ufffd\ufffd"
+
+
 def test_workdir_persists_and_files_belong_to_slot_uid(box):
     box.run("mkdir -p out && echo 42 > out/answer && chmod 600 out/answer", timeout_s=10)
     assert box.run("cat out/answer", timeout_s=10).stdout == "42\n"
@@ -73,6 +81,8 @@ def test_workdir_persists_and_files_belong_to_slot_uid(box):
     assert st.st_uid == box.uid and stat.S_IMODE(st.st_mode) == 0o600
     assert os.stat(box.workdir_host / "hello.txt").st_uid == box.uid  # set-up files too
     assert box.read_artifact("out/answer") == b"42\n"
+    s = box.stat_artifact("out/answer")
+    assert (s.kind, s.mode, s.size, s.uid) == ("file", 0o600, 3, box.uid)
     assert box.list_artifacts() == ["bin/tool.sh", "hello.txt", "out/answer"]
     box.write_file("late.txt", b"late")
     assert box.run("cat late.txt", timeout_s=10).stdout == "late"
@@ -125,6 +135,22 @@ def test_timeout_restarts_namespace_but_keeps_workdir(box):
     assert r.timed_out and r.exit_code == -9 and time.monotonic() - t0 < 3
     r2 = box.run("cat k.txt; cat /tmp/s 2>/dev/null || echo tmp-gone", timeout_s=10)
     assert r2.stdout == "keep\ntmp-gone\n" and box.restarts == 1
+
+
+def test_survives_the_opening_thread_exiting(backend):
+    """bwrap's --die-with-parent follows the *thread* that forked it; the backend forks from its own
+    long-lived thread, so a sandbox opened from a short-lived worker thread keeps its namespace."""
+    holder = []
+    t = threading.Thread(target=lambda: holder.append(backend.open(limits=SMALL, files={"f": b"kept"})))
+    t.start()
+    t.join()
+    sb = holder[0]
+    try:
+        time.sleep(0.2)  # give a wrongly-delivered parent-death signal time to land
+        r = sb.run("cat f", timeout_s=10)
+        assert r.stdout == "kept" and r.exit_code == 0 and sb.restarts == 0
+    finally:
+        sb.close()
 
 
 def test_close_is_idempotent_and_leaves_nothing(backend):

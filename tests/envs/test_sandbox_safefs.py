@@ -107,14 +107,28 @@ def test_copy_tree_as_data_skips_links_and_specials(dirs, tmp_path):
     os.mkfifo(work / "pipe")
     dst = tmp_path / "dst"
     dst.mkdir()
-    copied = copy_tree_as_data(str(work), str(dst), max_files=10, max_total_bytes=1000, max_file_bytes=100)
-    assert sorted(copied) == ["run.sh", "src/main.py"]
+    rep = copy_tree_as_data(str(work), str(dst), max_files=10, max_total_bytes=1000, max_file_bytes=100)
+    assert sorted(rep.copied) == ["run.sh", "src/main.py"] and rep.skipped == ()
     assert sorted(os.listdir(dst)) == ["run.sh", "src"]
     assert os.listdir(dst / "src") == ["main.py"]
     assert stat.S_IMODE(os.stat(dst / "run.sh").st_mode) == 0o755
     assert stat.S_IMODE(os.stat(dst / "src" / "main.py").st_mode) == 0o644
-    with pytest.raises(ArtifactError):
-        copy_tree_as_data(str(work), str(tmp_path / "dst"), max_files=10, max_total_bytes=5, max_file_bytes=100)
+
+
+def test_copy_tree_caps_skip_instead_of_raising(dirs, tmp_path):
+    work, _, _ = dirs
+    write_file(str(work), "a", b"x" * 10)
+    write_file(str(work), "b", b"x" * 200)
+    write_file(str(work), "c", b"x" * 10)
+    write_file(str(work), "d", b"x" * 10)
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    rep = copy_tree_as_data(str(work), str(dst), max_files=10, max_total_bytes=25, max_file_bytes=100)
+    assert rep.copied == ("a", "c") and [p for p, _ in rep.skipped] == ["b", "d"]
+    dst2 = tmp_path / "dst2"
+    dst2.mkdir()
+    rep2 = copy_tree_as_data(str(work), str(dst2), max_files=2, max_total_bytes=10_000, max_file_bytes=1000)
+    assert rep2.copied == ("a", "b") and rep2.skipped[0][0] == "*"
 
 
 def test_file_swapped_for_symlink_while_walking(dirs):
@@ -147,3 +161,22 @@ def test_file_swapped_for_symlink_while_walking(dirs):
         stop.set()
         t.join()
     assert b"KEY" not in seen
+
+
+def test_stat_path_reports_the_entry_itself(dirs):
+    from envs.sandbox.safefs import stat_path
+
+    work, secret, secret_dir = dirs
+    write_file(str(work), "bin/run.sh", b"#!/bin/sh\n", 0o750)
+    os.symlink(secret, work / "link")
+    os.symlink(secret_dir, work / "dlink")
+    os.mkfifo(work / "fifo")
+    s = stat_path(str(work), "bin/run.sh")
+    assert (s.kind, s.mode, s.size) == ("file", 0o750, 10)
+    assert stat_path(str(work), "bin").kind == "dir"
+    assert stat_path(str(work), "link").kind == "symlink"  # not the secret file it points to
+    assert stat_path(str(work), "fifo").kind == "fifo"
+    with pytest.raises(ArtifactError):
+        stat_path(str(work), "dlink/key")  # no walking through a symlinked directory
+    with pytest.raises(FileNotFoundError):
+        stat_path(str(work), "missing")

@@ -151,3 +151,23 @@ def test_vllm_loads_tokenizer_and_renders_the_same_prompt():
     assert t.eos_token_id == chat.EOS_ID
     # Content given as parts (text + images) reaches the template as parts, not flattened text.
     assert _detect_content_format(chat.CHAT_TEMPLATE, default="string") == "openai"
+
+
+@pytest.mark.slow
+def test_vllm_builtin_hermes_and_r1_parsers_read_our_format():
+    # For vLLM's OpenAI server: --reasoning-parser deepseek_r1 --tool-call-parser hermes.
+    from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
+    from vllm.tokenizers import get_tokenizer
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from envs.types import Message, ToolCall
+
+    t = get_tokenizer(str(SHIPPED))
+    m = Message("assistant", "Let me check.", reasoning="plan {it}",
+                tool_calls=(ToolCall("call_0_0", "bash", '{"command": "ls \\"x\\""}'), ToolCall("call_0_1", "f", "{}")))
+    generated = chat.render_completion(m)[: -len(chat.IM_END_TOKEN)]  # the server's text has no stop token
+    reasoning, content = DeepSeekR1ReasoningParser(t).extract_reasoning(generated, None)
+    assert reasoning.strip("\n") == "plan {it}"  # those parsers keep the format's newlines
+    info = Hermes2ProToolParser(t).extract_tool_calls(content, None)
+    assert info.tools_called and info.content.strip("\n") == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == [("bash", {"command": 'ls "x"'}), ("f", {})]

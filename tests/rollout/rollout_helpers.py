@@ -1,8 +1,7 @@
-"""Shared helpers for the rollout tests: tiny checkpoints and fixed token sequences."""
+"""Shared helpers for the rollout tests: special token ids, fixed token sequences, comparisons."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from rl.rollout.testing import SPECIAL_TOKENS
 
@@ -26,8 +25,3 @@ def cut_at_eos(ids) -> tuple[int, ...]:
 def max_abs_diff(a_list, b_list) -> float:
     assert len(a_list) == len(b_list)
     return max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(a_list, b_list))
-
-
-@pytest.fixture(scope="session")
-def special_ids():
-    return {"eos": EOS_ID, "think": THINK_ID, "end_think": END_THINK_ID}
