@@ -31,3 +31,4 @@ def _try(domain: str, target: str) -> None:
 def register_all() -> None:
     _try("terminal", "envs.terminal:register")
     _try("browse", "envs.browse:register")
+    _try("cad", "envs.cad:register")

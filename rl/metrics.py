@@ -71,3 +71,41 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def format_duration(seconds: float) -> str:
+    """Compact h/m/s text for an ETA ('1h02m', '3m12s', '45s'); '?' when unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{sec:02d}s"
+    return f"{sec}s"
+
+
+def progress_text(step: int, total_steps: int, values: Mapping[str, float], *, elapsed_s: float, steps_done: int,
+                  max_domains: int = 8) -> str:
+    """One line for the training progress bar: step, per-domain reward mean, ETA.
+
+    step: the step just finished (0-based, as logged); steps_done: steps finished in *this* process (after a
+    resume, earlier steps took no time here), used with elapsed_s for the rate. Example:
+    'step 12/100 | reward cad 0.410 swe 0.125 | eta 3m12s'. Call it on the tqdm bar with
+    `bar.set_postfix_str(progress_text(...))`.
+    """
+    if total_steps <= 0:
+        raise ValueError(f"progress_text: total_steps must be > 0, got {total_steps}")
+    rewards = sorted((k.rsplit("/", 1)[1], v) for k, v in values.items()
+                     if k.startswith("reward/mean/") and k != "reward/mean/all" and v is not None and math.isfinite(float(v)))
+    parts = [f"step {step + 1}/{total_steps}"]
+    if rewards:
+        shown = " ".join(f"{d} {float(v):.3f}" for d, v in rewards[:max_domains])
+        more = f" +{len(rewards) - max_domains}" if len(rewards) > max_domains else ""
+        parts.append(f"reward {shown}{more}")
+    left = max(total_steps - (step + 1), 0)
+    eta = elapsed_s / steps_done * left if steps_done > 0 else float("nan")
+    parts.append(f"eta {format_duration(eta) if left else '0s'}")
+    return " | ".join(parts)

@@ -244,7 +244,9 @@ class Runtime:
         episodes = [e for g in groups for e in g.episodes]
         batch = self._batch(episodes, adv)
         old_lp, routes = ray.get(self.trainer.compute_logprobs.remote(batch))
-        batch = batch.with_(old_logprobs_BT=old_lp, routed_experts_BTLK=routes if routes is not None else batch.routed_experts_BTLK)
+        if routes is not None:  # R2: the old policy's own routes, replayed in the update
+            batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
+        batch = batch.with_(old_logprobs_BT=old_lp)
         m = ray.get(self.trainer.train_step.remote(batch))
         return m
 

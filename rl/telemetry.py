@@ -1,8 +1,16 @@
-"""Per-domain rollout metrics: what each step's episodes looked like, broken down by domain.
+"""Per-domain rollout and policy metrics: what each step's episodes (and the trainer's view of them) looked like.
 
-Pure functions over `RolloutGroup`s; names follow `<family>/<stat>/<domain>` so dashboards can
-group them (`reward/mean/swe`). Trainer-side metrics (losses, KL, router load) come from the
-trainer; this module only looks at episodes.
+Pure functions; names follow `<family>/<stat>/<domain>` so dashboards can group them (`reward/mean/swe`).
+  * `rollout_metrics(groups, tok)`: from `RolloutGroup`s — reward mean/std, success rate, token / thinking-token /
+    turn means and their distribution quantiles (min, p10, p25, p50, p75, p90, max: the report draws box plots
+    from them, since metrics.jsonl holds scalars only), truncation, wall time, grading errors, tool-call error
+    rates, sandbox counters the environments report, and policy staleness.
+  * `logprob_gap_metrics(...)`: per-domain train/inference gap — the trainer's and the engine's logprobs of the
+    same generated tokens.
+  * `ratio_metrics(...)`: per-domain token-level clip fractions of the PPO ratio and the sampled-token
+    negative logprob (an entropy estimate at temperature 1).
+What it does not do: MoE router statistics (rl/moe_telemetry.py), losses (the objective reports those),
+logging (rl/metrics.py).
 """
 from __future__ import annotations
 
@@ -10,8 +18,16 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from rl.types import Episode, RolloutGroup
+
+# Quantiles written for each distribution (name suffix, q); the report's box plots use min/p25/p50/p75/max.
+QUANTILES: tuple[tuple[str, float], ...] = (("min", 0.0), ("p10", 0.1), ("p25", 0.25), ("p50", 0.5),
+                                            ("p75", 0.75), ("p90", 0.9), ("max", 1.0))
+# Episode.metrics keys (from envs/base.py's Grade metrics) averaged per domain as `episode/<key>_mean/<d>`.
+_EPISODE_COUNTERS = ("parse_errors", "tool_calls", "malformed_calls", "tool_errors", "tool_timeouts", "obs_clipped",
+                     "sandbox_kills", "format_ok")
 
 
 def _think_tokens(e: Episode, think_start: int, think_end: int) -> int:
@@ -29,29 +45,143 @@ def _think_tokens(e: Episode, think_start: int, think_end: int) -> int:
     return n
 
 
-def rollout_metrics(groups: Sequence[RolloutGroup], tok: Any = None, think_ids: tuple[int, int] = (4, 5)) -> dict[str, float]:
+def _quantiles(prefix: str, values: Sequence[float], domain: str, out: dict[str, float]) -> None:
+    v = np.asarray(values, dtype=np.float64)
+    for name, q in QUANTILES:
+        # numpy's default "linear" interpolation (Hyndman & Fan type 7)
+        out[f"{prefix}_{name}/{domain}"] = float(np.quantile(v, q))
+
+
+def _sum_metric(eps: Sequence[Episode], key: str) -> float | None:
+    vals = [float(e.metrics[key]) for e in eps if key in e.metrics]
+    return float(np.sum(vals)) if vals else None
+
+
+def rollout_metrics(groups: Sequence[RolloutGroup], tok: Any = None, think_ids: tuple[int, int] = (4, 5), *,
+                    policy_version: int | None = None) -> dict[str, float]:
+    """Per-domain episode statistics of one step's groups (see the module docstring).
+
+    tok: unused, kept for the driver's call signature. think_ids: the <think> / </think> token ids.
+    policy_version: the trainer's version when these episodes are trained on; gives `policy/staleness_*`.
+    """
     by_dom: dict[str, list[Episode]] = defaultdict(list)
     for g in groups:
         by_dom[g.domain].extend(g.episodes)
     out: dict[str, float] = {}
     for d, eps in sorted(by_dom.items()):
+        if not eps:
+            continue
         r = np.array([e.reward for e in eps], dtype=np.float64)
         gen = np.array([sum(e.loss_mask) for e in eps], dtype=np.float64)
+        think = np.array([_think_tokens(e, *think_ids) for e in eps], dtype=np.float64)
+        turns = np.array([e.num_turns for e in eps], dtype=np.float64)
         out[f"reward/mean/{d}"] = float(r.mean())
         out[f"reward/std/{d}"] = float(r.std())
         out[f"success/rate/{d}"] = float((r >= 1.0).mean())
         out[f"episodes/count/{d}"] = float(len(eps))
         out[f"tokens/response_mean/{d}"] = float(gen.mean())
-        out[f"tokens/thinking_mean/{d}"] = float(np.mean([_think_tokens(e, *think_ids) for e in eps]))
+        out[f"tokens/thinking_mean/{d}"] = float(think.mean())
         out[f"tokens/total_mean/{d}"] = float(np.mean([len(e.token_ids) for e in eps]))
-        out[f"turns/mean/{d}"] = float(np.mean([e.num_turns for e in eps]))
+        out[f"turns/mean/{d}"] = float(turns.mean())
+        _quantiles("tokens/response", gen, d, out)
+        _quantiles("tokens/thinking", think, d, out)
+        _quantiles("turns/n", turns, d, out)
         out[f"episode/truncated_rate/{d}"] = float(np.mean([e.truncated for e in eps]))
+        out[f"episode/terminated_rate/{d}"] = float(np.mean([e.terminated for e in eps]))
         out[f"episode/wall_s_mean/{d}"] = float(np.mean([e.wall_s for e in eps]))
+        out[f"episode/wall_s_max/{d}"] = float(np.max([e.wall_s for e in eps]))
         out[f"episode/grade_error_rate/{d}"] = float(np.mean([e.grade_error is not None for e in eps]))
-        for key in ("parse_errors", "tool_errors", "tool_timeouts", "sandbox_kills", "format_ok"):
+        for key in _EPISODE_COUNTERS + tuple(sorted({k for e in eps for k in e.metrics if k.startswith("sandbox_")} - set(_EPISODE_COUNTERS))):
             vals = [float(e.metrics[key]) for e in eps if key in e.metrics]
             if vals:
                 out[f"episode/{key}_mean/{d}"] = float(np.mean(vals))
+        # Tool-call error rates per call (envs/base.py counts each failure kind once per call).
+        calls = _sum_metric(eps, "tool_calls")
+        if calls is not None and calls > 0:
+            fails = 0.0
+            for key, stat in (("tool_errors", "exception_rate"), ("tool_timeouts", "timeout_rate"), ("malformed_calls", "malformed_rate")):
+                s = _sum_metric(eps, key)
+                if s is not None:
+                    out[f"tools/{stat}/{d}"] = s / calls
+                    fails += s
+            out[f"tools/error_rate/{d}"] = fails / calls
+            out[f"tools/calls_mean/{d}"] = calls / len(eps)
+        if policy_version is not None:
+            lag = np.array([policy_version - e.policy_version for e in eps], dtype=np.float64)
+            out[f"policy/staleness_mean/{d}"] = float(lag.mean())
+            out[f"policy/staleness_max/{d}"] = float(lag.max())
     all_r = np.array([e.reward for g in groups for e in g.episodes]) if groups else np.zeros(1)
+    if all_r.size == 0:
+        all_r = np.zeros(1)
     out["reward/mean/all"] = float(all_r.mean())
+    out["success/rate/all"] = float((all_r >= 1.0).mean())
+    return out
+
+
+def _check_BT(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+        raise ValueError(f"{name} must be a tensor of shape {list(shape)}, got {list(getattr(x, 'shape', [])) or type(x).__name__}")
+
+
+def _per_domain(domain_ids_B: torch.Tensor, domains: Sequence[str], mask_BT: torch.Tensor):
+    """Yield (name, token mask [B, T]) for each domain with at least one masked token, then ('all', mask)."""
+    if domain_ids_B.ndim != 1 or domain_ids_B.shape[0] != mask_BT.shape[0]:
+        raise ValueError(f"domain_ids_B must be [B={mask_BT.shape[0]}], got {list(domain_ids_B.shape)}")
+    if domain_ids_B.numel() and (int(domain_ids_B.min()) < 0 or int(domain_ids_B.max()) >= len(domains)):
+        raise ValueError(f"domain_ids_B out of range for {len(domains)} domains {tuple(domains)}")
+    for i, d in enumerate(domains):
+        m = mask_BT & (domain_ids_B == i)[:, None]
+        if bool(m.any()):
+            yield d, m
+    if bool(mask_BT.any()):
+        yield "all", mask_BT
+
+
+@torch.no_grad()
+def logprob_gap_metrics(trainer_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor,
+                        domain_ids_B: torch.Tensor, domains: Sequence[str]) -> dict[str, float]:
+    """Train/inference gap per domain on the generated tokens (mask_BT), same weights on both sides.
+
+    mismatch/logprob_abs_mean, mismatch/logprob_abs_max: |log p_trainer - log p_engine| over tokens;
+    mismatch/kl_k3: KL(engine || trainer) by Schulman's k3 estimator (J. Schulman, "Approximating KL
+    divergence", 2020): mean of r - 1 - log r, r = p_trainer / p_engine, on tokens sampled by the engine.
+    """
+    B, T = mask_BT.shape
+    _check_BT("trainer_logprobs_BT", trainer_logprobs_BT, (B, T))
+    _check_BT("rollout_logprobs_BT", rollout_logprobs_BT, (B, T))
+    mask = mask_BT.bool()
+    diff = trainer_logprobs_BT.double() - rollout_logprobs_BT.double()
+    k3 = torch.expm1(diff) - diff
+    out: dict[str, float] = {}
+    for d, m in _per_domain(domain_ids_B, domains, mask):
+        a = diff[m].abs()
+        out[f"mismatch/logprob_abs_mean/{d}"] = float(a.mean())
+        out[f"mismatch/logprob_abs_max/{d}"] = float(a.max())
+        out[f"mismatch/kl_k3/{d}"] = float(k3[m].mean())
+    return out
+
+
+@torch.no_grad()
+def ratio_metrics(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, domain_ids_B: torch.Tensor,
+                  domains: Sequence[str], *, clip_low: float = 0.2, clip_high: float = 0.28) -> dict[str, float]:
+    """Per-domain PPO ratio statistics on generated tokens (the objective reports the batch-wide loss terms).
+
+    pg/token_clipfrac_low / _high: share of tokens with ratio < 1 - clip_low / > 1 + clip_high (PPO, Schulman
+    et al. 2017, arXiv:1707.06347; asymmetric bounds as in DAPO, arXiv:2503.14476); pg/ratio_mean;
+    pg/neg_logprob_mean: mean -log p of the sampled tokens (a Monte-Carlo entropy estimate at temperature 1).
+    """
+    B, T = mask_BT.shape
+    _check_BT("logprobs_BT", logprobs_BT, (B, T))
+    _check_BT("old_logprobs_BT", old_logprobs_BT, (B, T))
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low={clip_low} and clip_high={clip_high} must be >= 0")
+    mask = mask_BT.bool()
+    ratio = torch.exp(logprobs_BT.double() - old_logprobs_BT.double())
+    out: dict[str, float] = {}
+    for d, m in _per_domain(domain_ids_B, domains, mask):
+        r = ratio[m]
+        out[f"pg/token_clipfrac_low/{d}"] = float((r < 1 - clip_low).double().mean())
+        out[f"pg/token_clipfrac_high/{d}"] = float((r > 1 + clip_high).double().mean())
+        out[f"pg/ratio_mean/{d}"] = float(r.mean())
+        out[f"pg/neg_logprob_mean/{d}"] = float(-logprobs_BT.double()[m].mean())
     return out

@@ -18,6 +18,7 @@ import atexit
 import http.client
 import ipaddress
 import json
+import logging
 import os
 import pickle
 import select
@@ -36,6 +37,7 @@ from envs.browse.corpus import Corpus, check_path
 from envs.browse.index import SearchError, SearchHit, SearchIndex
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
 
 
 class FetchError(RuntimeError):
@@ -171,7 +173,11 @@ class BrowseServer:
             self._thread.start()
 
     def _start_child(self, corpus, index, host, port, max_workers, max_pending, timeout_s) -> tuple[str, int]:
-        payload = pickle.dumps((corpus, str(index.db_path), host, port, max_workers, max_pending))
+        try:
+            payload = pickle.dumps((corpus, str(index.db_path), host, port, max_workers, max_pending))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(f"corpus {type(corpus).__name__} cannot be sent to a server process ({e}); "
+                            "make it picklable or serve it with process=False") from e
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         self.process = subprocess.Popen([sys.executable, "-m", "envs.browse.server"], stdin=subprocess.PIPE,
@@ -230,7 +236,11 @@ def shared_server(built: BuiltCorpus) -> BrowseServer:
     with _SHARED_LOCK:
         srv = _SHARED.get(key)
         if srv is None or srv.closed:
-            srv = BrowseServer(built.corpus, SearchIndex(built.index_path), process=True)
+            try:
+                srv = BrowseServer(built.corpus, SearchIndex(built.index_path), process=True)
+            except TypeError as e:  # an unpicklable corpus still works, served from a thread
+                log.warning("serving corpus %s from a thread of this process: %s", built.corpus.name, e)
+                srv = BrowseServer(built.corpus, SearchIndex(built.index_path), process=False)
             _SHARED[key] = srv
         return srv
 

@@ -201,10 +201,10 @@ def _build_graph(num_entities: int, rng: random.Random) -> list[Entity]:
         e = Entity(id=len(ents), type=etype, name=name, subtype="", twin_of=twin_of)
         if etype == "person":
             e.subtype = rng.choice(OCCUPATIONS)
-            e.attrs.update(born=rng.randint(1850, 1995), occupation=e.subtype)
+            e.attrs.update(born=rng.randint(1800, 1995), occupation=e.subtype)
         elif etype == "organisation":
             e.subtype = rng.choice(INDUSTRIES)
-            e.attrs.update(founded=rng.randint(1780, 2015), industry=e.subtype)
+            e.attrs.update(founded=rng.randint(1850, 2015), industry=e.subtype)
         elif etype == "city":
             e.subtype = "city"
             e.attrs.update(founded=rng.randint(800, 1900), population=rng.randint(2_000, 3_000_000))
@@ -343,14 +343,18 @@ def _describe(e: Entity) -> str:
     return f"the {e.name} of {y}"
 
 
+def _an(word: str) -> str:
+    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
+
+
 def _prose(e: Entity, ents: list[Entity], rng: random.Random) -> str:
     a = e.attrs
     n = html.escape(e.name)
     if e.type == "person":
-        s = (f"{n} (born {a['born']} in {_a(ents[a['birthplace']])}) is a {e.subtype}. "
+        s = (f"{n} (born {a['born']} in {_a(ents[a['birthplace']])}) is {_an(e.subtype)}. "
              f"{n} worked for {_a(ents[a['employer']])}.")
     elif e.type == "organisation":
-        s = (f"{n} is a {e.subtype} organisation founded in {a['founded']} by {_a(ents[a['founder']])}. "
+        s = (f"{n} is {_an(e.subtype)} organisation founded in {a['founded']} by {_a(ents[a['founder']])}. "
              f"Its headquarters are in {_a(ents[a['headquarters']])}.")
     elif e.type == "city":
         s = (f"{n} is a city in {_a(ents[a['country']])}, founded in {a['founded']}, with a population of "
@@ -359,7 +363,7 @@ def _prose(e: Entity, ents: list[Entity], rng: random.Random) -> str:
         s = (f"{n} is a country on the continent of {a['continent']}, established in {a['established']}. "
              f"Its capital is {_a(ents[a['capital']])} and its currency is the {a['currency']}.")
     elif e.type == "work":
-        s = (f"{n} is a {a['genre']} {e.subtype} released in {a['year']}, created by {_a(ents[a['creator']])} "
+        s = (f"{n} is {_an(a['genre'])} {e.subtype} released in {a['year']}, created by {_a(ents[a['creator']])} "
              f"and published by {_a(ents[a['publisher']])}.")
     else:
         s = (f"The {n} of {a['year']} took place in {_a(ents[a['location']])}. It was organised by "
@@ -389,7 +393,7 @@ def _entity_page(e: Entity, ents: list[Entity], twins: dict[str, list[Entity]], 
     return Page(path=e.path, title=e.title, html=_page_html(e.title, "".join(body)))
 
 
-def _list_page(path: str, title: str, intro: str, members: list[Entity], rng: random.Random | None = None) -> Page:
+def _list_page(path: str, title: str, intro: str, members: list[Entity]) -> Page:
     items = "".join(f"<li>{_a(m)}</li>" for m in sorted(members, key=lambda m: (m.name, m.id)))
     return Page(path=path, title=title, html=_page_html(title, f"<p>{html.escape(intro)}</p><ul>{items}</ul>"))
 
@@ -510,7 +514,6 @@ def generate(num_pages: int = 10_000, seed: int = 0, num_questions: int | None =
 
     # Injections: a random few pages, plus the last evidence page of every 8th question, so the
     # tests can show an injection on the evidence path does not change grading.
-    by_path = {e.path: e for e in ents}
     injected = {e.path for e in rng.sample(ents, max(1, int(len(ents) * INJECT_SHARE)))}
     injected |= {q.evidence[-1] for q in questions[::8]}
     questions = [Question(**{**q.__dict__, "injected": any(p in injected for p in q.evidence)}) for q in questions]
@@ -547,5 +550,4 @@ def generate(num_pages: int = 10_000, seed: int = 0, num_questions: int | None =
     pages.append(Page(path="/", title="Encyclopedia home", html=_page_html(
         "Encyclopedia home", f"<p>An encyclopedia of {len(ents)} entries. Browse the lists:</p><ul>{index_links}</ul>")))
     assert len({p.path for p in pages}) == len(pages), "duplicate page paths"
-    del by_path
     return World(entities=ents, pages=pages, questions=questions, injected_paths=injected)

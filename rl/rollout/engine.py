@@ -112,6 +112,7 @@ class GenerateRequest:
     thinking_budget: int | None = None
     seed: int | None = None
     routed_experts_prompt_start: int = 0  # skip routes for a prefix already reported in earlier turns
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:
@@ -256,6 +257,8 @@ def _reload_with_moe_fix(worker: Any, weights: list[tuple[str, "torch.Tensor"]],
     finally:
         for qm in originals:
             del qm.process_weights_after_loading
+    if worker_is_cpu():
+        _refresh_tied_cpu_linears(model)
     if not repack_moe:
         return 0
     with torch.no_grad():
@@ -266,6 +269,36 @@ def _reload_with_moe_fix(worker: Any, weights: list[tuple[str, "torch.Tensor"]],
                 # Same shape, different memory layout: copy back into the storage the kernel reads.
                 w.data.copy_(cpu_prepack_moe_weight(w.data, isa))
     return len({id(l) for l in touched})
+
+
+def worker_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _refresh_tied_cpu_linears(model: Any) -> int:
+    """Rebuild the CPU GEMM handle of modules that share one weight (tied embeddings / lm_head).
+
+    On CPU, vLLM gives every linear-like module a `cpu_linear` closure over a packed copy of its
+    weight (`dispatch_cpu_unquantized_gemm`). A reload reprocesses the modules that received weights;
+    with tied embeddings only `embed_tokens` does (the loader skips `lm_head`), so the lm_head's packed
+    copy would stay stale: the model would embed with new weights and project with old ones (found by
+    test_engine_dense: max logprob error 0.24). Re-running the quant method's post-load step on every
+    module of a shared-weight group repacks from the (updated) shared storage.
+    """
+    groups: dict[int, list[Any]] = defaultdict(list)
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and hasattr(module, "quant_method") and w is not None and w.numel() > 0:
+            groups[w.data_ptr()].append(module)
+    n = 0
+    for mods in groups.values():
+        if len(mods) > 1:
+            for m in mods:
+                m.quant_method.process_weights_after_loading(m)
+                n += 1
+    return n
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -374,6 +407,7 @@ class RolloutEngine:
             routed_experts_prompt_start=r.routed_experts_prompt_start,
             detokenize=False,
             skip_special_tokens=False,
+            ignore_eos=r.ignore_eos,
         )
 
     def _result(self, out: Any, first_version: int) -> GenerateResult:

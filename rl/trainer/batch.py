@@ -35,6 +35,7 @@ class TrainBatch:
     returns_BT: torch.Tensor | None = None
     loss_weights_BT: torch.Tensor | None = None  # aggregation weights computed on the whole step batch
     step_tokens: int = 0  # real tokens in the whole step batch (micro-batches keep the step's value)
+    routes_from: str = "none"  # who recorded routed_experts_BTLK: "engine" (R3), "trainer" (R2) or "none"
 
     @property
     def num_seqs(self) -> int:
@@ -46,8 +47,9 @@ class TrainBatch:
             if x is None or not isinstance(x, torch.Tensor):
                 return x
             return x[idx] if isinstance(idx, slice) else x[torch.as_tensor(list(idx), dtype=torch.long)]
-        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in ("domains", "step_tokens")}
-        return TrainBatch(domains=self.domains, step_tokens=self.step_tokens or int(self.attention_mask_BT.sum()), **kw)
+        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in ("domains", "step_tokens", "routes_from")}
+        return TrainBatch(domains=self.domains, step_tokens=self.step_tokens or int(self.attention_mask_BT.sum()),
+                          routes_from=self.routes_from, **kw)
 
     def with_(self, **kw) -> "TrainBatch":
         return replace(self, **kw)
@@ -102,6 +104,7 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
         rewards_B=torch.as_tensor([e.reward for e in episodes], dtype=torch.float32),
         routed_experts_BTLK=routes,
         step_tokens=int(attn.sum()),
+        routes_from="engine" if routes is not None else "none",
     )
 
 

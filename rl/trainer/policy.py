@@ -154,13 +154,15 @@ class PolicyTrainer:
         return torch.stack([lg.topk(k, dim=-1).indices for lg in router_logits])
 
     def routing_mode(self, batch: TrainBatch) -> str:
+        """r3: replay the engine's routes; r2: replay routes the trainer recorded (or will record
+        in `compute_logprobs`) under the old policy; off: route freely."""
         mode = self.spec.routing_replay
         if not self.replay_supported or mode == "off":
             return "off"
-        if mode in ("auto", "r3") and batch.routed_experts_BTLK is not None:
+        if batch.routes_from == "engine" and mode in ("auto", "r3"):
             return "r3"
         if mode == "r3":
-            return "off"  # asked for R3 but the engine gave no routes; driver logs it
+            return "off"  # R3 asked for but the engine reported no routes; logged by the caller
         return "r2"
 
     @torch.no_grad()
@@ -297,11 +299,11 @@ class PolicyTrainer:
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], client_state: dict | None = None) -> None:
         state = dict(client_state or {})
         state.update({"step_count": self.step_count, "version": self.version, "torch_rng": torch.get_rng_state()})
-        self.engine.save_checkpoint(str(ckpt_dir), tag="latest", client_state=state)
+        self.engine.save_checkpoint(str(ckpt_dir), tag="state", client_state=state)
         (Path(ckpt_dir) / "trainer_meta.json").write_text(json.dumps({"step_count": self.step_count, "version": self.version}))
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict:
-        _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="latest")
+        _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="state")
         state = state or {}
         self.step_count = int(state.get("step_count", 0))
         self.version = int(state.get("version", 0))

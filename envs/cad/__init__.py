@@ -1,0 +1,33 @@
+"""cad-v0: build a described mechanical part with CadQuery; graded by exact B-rep volume IoU x a feature term.
+
+Layout: `families.py` (9 parametric part families: specs and reference code), `tasks.py` (splits,
+prompts, pictures), `domain.py` (the tools and the grader), `worker.py` (warm trusted cadquery
+processes), `render.py` (numpy view renderer + PNG writer), `kernel/` (geometry and the
+in-sandbox runner; mounted read-only into the agent's sandbox). See docs/cad.md.
+"""
+from __future__ import annotations
+
+from envs.base import ToolEnv
+
+
+def make_env(*, backend=None, sandbox_limits=None, pool=None, **env_kwargs) -> ToolEnv:
+    """`envs.make("cad-v0", backend=..., sandbox_limits=..., pool=..., limits=..., max_calls_per_turn=...)`."""
+    from envs.cad.domain import CadDomain
+
+    kw = {} if sandbox_limits is None else {"sandbox_limits": sandbox_limits}
+    return ToolEnv(CadDomain(backend=backend, pool=pool, **kw), **env_kwargs)
+
+
+def register() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("cadquery") is None:
+        raise ModuleNotFoundError("No module named 'cadquery' (pip install cadquery==2.8.0)", name="cadquery")
+    from envs.cad.tasks import ENV_ID, make_tasks
+    from envs.registry import register as reg
+
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    reg(ENV_ID, make_env, make_tasks, source_files=sorted(here.glob("*.py")) + sorted(here.glob("kernel/*.py")),
+        description="CadQuery part modelling (9 parametric families) graded by exact-solid IoU x hole/face/bbox checks")

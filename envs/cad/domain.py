@@ -1,0 +1,241 @@
+"""cad-v0: the agent writes CadQuery code for a described part; graded by exact-solid IoU x a feature term.
+
+Per episode: a fresh bubblewrap sandbox (no network, read-only root, rlimits, wall-clock kill) that
+sees the Python environment holding cadquery read-only (`SandboxPython`: the venv, its base
+interpreter if that lives outside /usr, and envs/cad/kernel/). Both tools run the agent's code
+there with `kernel/runner.py`, which reports on the agent's *own* solid only:
+
+* `run_cad(code)`  -> the error, or volume / bounding box / faces / through-holes of `result`;
+* `submit(code)`   -> the same run, which also writes the solid as BREP to a file name the host
+  chose for this call; ends the episode.
+
+Grading (`check`, after `kill_all`): the submitted BREP is read back with `read_artifact` (as data:
+no symlinks, size cap) and compared, in a trusted warm worker (envs/cad/worker.py), with the
+reference solid built from the family's own code:
+
+    score = IoU x (holes_ok + faces_ok + bbox_ok) / 3        (kernel/geometry.py has the definitions)
+
+and 0 when the submitted code failed, timed out, was killed, or gave no valid solid. The rubric:
+`score` minus 0.1 x the fraction of malformed calls; truncated episodes score 0; a grader failure
+(worker crash or timeout) is a visible grade error, never a silent 0. IoU, each feature check and
+the counts are reported as `check/...` metrics.
+
+This module does not implement sandboxing (envs/sandbox/) nor the budget loop (envs/base.py).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from envs.base import Domain, EnvSetupError, ToolInvocation, ToolOutput
+from envs.cad.families import FAMILIES
+from envs.cad.kernel.runner import REPORT_MARKER
+from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits
+from envs.tools import ToolContext, tool
+from envs.types import Message, Task
+from rewards import Rubric, Term, check, malformed_fraction
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernel"
+INSIDE_ROOT = "/opt/jointrl-cad"
+MAX_BREP_BYTES = 16 << 20
+GRADE_TIMEOUT_S = 90.0
+# cadquery + OCP + VTK map ~1.1 GB of address space before any modelling; booleans need more.
+CAD_SANDBOX_LIMITS = SandboxLimits(workdir_mb=64, tmp_mb=64, max_procs=64, address_space_mb=3072,
+                                   file_size_mb=32, cpu_seconds=120, open_files=512, max_output_bytes=200_000)
+AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
+             "MPLCONFIGDIR": "/tmp", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@dataclass(frozen=True)
+class SandboxPython:
+    """How the sandbox gets a Python that can `import cadquery`: read-only mounts + the interpreter path inside."""
+
+    mounts: tuple[Mount, ...]
+    python: str  # path of the interpreter inside the sandbox
+    runner: str  # path of kernel/runner.py inside the sandbox
+
+    @staticmethod
+    def from_current() -> "SandboxPython":
+        """Mount this process's environment: the venv at /opt/jointrl-cad/venv and, when the venv's base
+        interpreter is outside /usr (pyenv, conda), that installation at its own path so the venv's
+        absolute symlinks resolve."""
+        mounts = [Mount(KERNEL_DIR, f"{INSIDE_ROOT}/kernel")]
+        prefix, base = Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()
+        if prefix != base:  # a venv
+            mounts.append(Mount(prefix, f"{INSIDE_ROOT}/venv"))
+            python = f"{INSIDE_ROOT}/venv/bin/python"
+            if not str(base).startswith("/usr/") and str(base) != "/usr":
+                mounts.append(Mount(base, str(base)))
+        elif str(prefix).startswith("/usr"):
+            python = sys.executable
+        else:
+            mounts.append(Mount(prefix, str(prefix)))
+            python = sys.executable
+        return SandboxPython(tuple(mounts), python, f"{INSIDE_ROOT}/kernel/runner.py")
+
+
+@functools.lru_cache(maxsize=1)
+def default_backend() -> SandboxBackend:
+    from envs.sandbox.bwrap import BwrapBackend
+
+    return BwrapBackend()
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One execution of agent code in the sandbox, as the host understood it."""
+
+    ok: bool  # a valid solid was built (and exported, when asked)
+    text: str  # what the agent is shown
+    timed_out: bool = False
+    out_rel: str | None = None  # the BREP file (relative to the work dir) when ok and exported
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def describe_run(r: ExecResult, timeout_s: float) -> tuple[bool, str]:
+    """(ok, text for the agent) from the runner's ExecResult."""
+    if r.timed_out:
+        return False, f"ERROR: killed: your code did not finish within its {timeout_s:.0f} s time limit; nothing was built."
+    report = None
+    for line in reversed(r.stdout.split("\n")):  # not splitlines(): it splits at the marker's \x1e
+        if line.startswith(REPORT_MARKER):
+            try:
+                report = json.loads(line[len(REPORT_MARKER):])
+            except ValueError:
+                report = None
+            break
+    if not isinstance(report, dict):
+        why = f"killed by signal {-r.exit_code}" if r.exit_code < 0 else f"exit code {r.exit_code}"
+        hint = " (probably the memory limit)" if r.exit_code in (-9, -6) else ""
+        tail = (r.stderr or "")[-1500:]
+        return False, f"ERROR: the CAD run ended without a report ({why}{hint}).\n{tail}".rstrip()
+    parts = []
+    s = report.get("summary")
+    if report.get("ok") and isinstance(s, dict):
+        b = s["bbox"]
+        parts.append("OK: `result` is a valid solid.\n"
+                     f"volume: {_fmt(s['volume'])} mm^3\n"
+                     f"bounding box: x [{_fmt(b[0])}, {_fmt(b[3])}]  y [{_fmt(b[1])}, {_fmt(b[4])}]  z [{_fmt(b[2])}, {_fmt(b[5])}]"
+                     f"  (size {_fmt(b[3] - b[0])} x {_fmt(b[4] - b[1])} x {_fmt(b[5] - b[2])})\n"
+                     f"faces: {s['faces']} (same-surface faces merged)\n"
+                     f"through-holes: {s['holes']}\n"
+                     f"solids: {s['solids']}")
+    else:
+        parts.append(f"ERROR: {report.get('error') or 'unknown failure'}".rstrip())
+    out = report.get("stdout") or ""
+    if out.strip():
+        parts.append("--- output of your code ---\n" + out.rstrip())
+    return bool(report.get("ok")), "\n".join(parts)
+
+
+class CadDomain(Domain):
+    rubric = Rubric(terms=(Term("score", check("score"), 1.0), Term("malformed", malformed_fraction, -0.1)),
+                    truncated_reward=0.0, error_reward=0.0)
+
+    def __init__(self, backend: SandboxBackend | None = None, sandbox_limits: SandboxLimits = CAD_SANDBOX_LIMITS,
+                 python: SandboxPython | None = None, pool=None, grade_timeout_s: float = GRADE_TIMEOUT_S) -> None:
+        self.backend = backend if backend is not None else default_backend()
+        self.sandbox_limits = sandbox_limits
+        self.python = python if python is not None else SandboxPython.from_current()
+        self._pool = pool
+        self.grade_timeout_s = grade_timeout_s
+        self.sandbox: Sandbox | None = None
+        self.submission: RunOutcome | None = None
+
+    @property
+    def pool(self):
+        if self._pool is None:
+            from envs.cad.worker import default_pool
+
+            self._pool = default_pool()
+        return self._pool
+
+    def setup(self, task: Task) -> None:
+        family = task.private.get("family")
+        if family not in FAMILIES:
+            raise EnvSetupError(f"task {task.id}: unknown CAD family {family!r}")
+        if not isinstance(task.private.get("reference_code"), str):
+            raise EnvSetupError(f"task {task.id}: private['reference_code'] is missing")
+        self.teardown()
+        self.submission = None
+        self.sandbox = self.backend.open(limits=self.sandbox_limits, mounts=self.python.mounts)
+
+    def _run(self, code: str, timeout_s: float, export: bool) -> RunOutcome:
+        assert self.sandbox is not None, "CAD tool called outside an episode"
+        rel = f".cad/{secrets.token_hex(8)}.brep" if export else None
+        out_inside = f"{self.sandbox.workdir_inside}/{rel}" if rel else "-"
+        r = self.sandbox.run([self.python.python, "-I", self.python.runner, out_inside], stdin=code.encode(),
+                             timeout_s=timeout_s, env=AGENT_ENV, cwd=self.sandbox.workdir_inside)
+        ok, text = describe_run(r, timeout_s)
+        return RunOutcome(ok=ok, text=text, timed_out=r.timed_out, out_rel=rel if ok else None)
+
+    @tool
+    def run_cad(self, code: str, ctx: ToolContext) -> ToolOutput:
+        """Run CadQuery code and report on the solid it builds (or the error). Does not end the episode.
+
+        The code must assign the finished part to `result`. The report gives the solid's volume, bounding box,
+        face count and through-hole count, plus anything the code printed.
+
+        Args:
+            code: Python code using cadquery (available as `cq`) that assigns the part to `result`
+        """
+        out = self._run(code, ctx.timeout_s, export=False)
+        return ToolOutput(out.text, timed_out=out.timed_out)
+
+    @tool(ends_episode=True)
+    def submit(self, code: str, ctx: ToolContext) -> ToolOutput:
+        """Run your final CadQuery code and submit the solid it builds for grading. Ends the episode.
+
+        Args:
+            code: Python code using cadquery (available as `cq`) that assigns the finished part to `result`
+        """
+        out = self._run(code, ctx.timeout_s, export=True)
+        self.submission = out
+        head = "Submitted." if out.ok else "Submitted, but the code did not produce a valid solid (this scores 0)."
+        return ToolOutput(f"{head}\n{out.text}", timed_out=out.timed_out)
+
+    def before_grade(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.kill_all()
+
+    def check(self, task: Task, transcript: tuple[Message, ...]) -> Mapping[str, float]:
+        zero = {"score": 0.0, "iou": 0.0, "holes_ok": 0.0, "faces_ok": 0.0, "bbox_ok": 0.0, "feature_term": 0.0}
+        sub = self.submission
+        if sub is None:
+            return {**zero, "submitted": 0.0, "valid": 0.0, "code_failed": 0.0, "timed_out": 0.0}
+        if not sub.ok or sub.out_rel is None:
+            return {**zero, "submitted": 1.0, "valid": 0.0, "code_failed": 1.0, "timed_out": float(sub.timed_out)}
+        if self.sandbox is None:
+            raise RuntimeError("check() without a sandbox (set-up failed or the env was closed)")
+        try:
+            data = self.sandbox.read_artifact(sub.out_rel, max_bytes=MAX_BREP_BYTES)
+        except Exception:  # noqa: BLE001 - missing, a symlink, not regular or too big: no valid solid was left
+            return {**zero, "submitted": 1.0, "valid": 0.0, "code_failed": 0.0, "timed_out": 0.0, "brep_unreadable": 1.0}
+        res = self.pool.grade(task.private["reference_code"], data, timeout_s=self.grade_timeout_s)
+        if not res.valid or res.comparison is None:
+            return {**zero, "submitted": 1.0, "valid": 0.0, "code_failed": 0.0, "timed_out": 0.0}
+        c = res.comparison
+        return {"score": c.score, "iou": c.iou, "holes_ok": c.holes_ok, "faces_ok": c.faces_ok, "bbox_ok": c.bbox_ok,
+                "feature_term": c.feature_term, "submitted": 1.0, "valid": 1.0, "code_failed": 0.0, "timed_out": 0.0,
+                "volume_ratio": c.v_agent / c.v_ref, "bbox_err_mm": c.bbox_err_mm,
+                "holes": float(c.agent_holes), "ref_holes": float(c.ref_holes),
+                "faces": float(c.agent_faces), "ref_faces": float(c.ref_faces)}
+
+    def teardown(self) -> None:
+        sb, self.sandbox = self.sandbox, None
+        if sb is not None:
+            sb.close()
+
+    def reference(self, task: Task) -> list[ToolInvocation]:
+        return [ToolInvocation("submit", {"code": task.private["reference_code"]})]
+
+    def noop(self, task: Task) -> list[ToolInvocation]:
+        return [ToolInvocation("submit", {"code": ""})]

@@ -1,0 +1,171 @@
+"""`RolloutDispatcher`: N rollout workers behind one call, balanced by outstanding requests, surviving restarts.
+
+- Balancing: each request goes to the worker with the fewest outstanding requests (counted across all
+  concurrent callers), so one batch is spread evenly and concurrent batches fill idle workers first.
+  A worker gets its share as one call, so vLLM batches it.
+- Restarts: when a call fails because its actor died (`RayActorError`, e.g. `ray.kill` or an OOM), the
+  dispatcher builds a replacement with `worker_factory()`, re-applies the latest weight sync (kept as
+  object refs, so nothing is copied again) and re-sends the dead worker's requests, up to `max_retries`
+  times per batch. Other errors (a bad request) propagate unchanged.
+- Weight sync: `update_weights(buckets, version)` puts each bucket in Ray's object store once and
+  sends the refs to every worker.
+
+What it does not do: decide when to sync (the driver does) or run episodes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rl.rollout.engine import GenerateRequest, GenerateResult, WeightUpdateStats
+
+log = logging.getLogger(__name__)
+
+
+class DispatchError(RuntimeError):
+    """Requests could not be served even after restarting workers."""
+
+
+@dataclass
+class _Slot:
+    handle: Any
+    generation: int = 0  # bumped on every restart
+    outstanding: int = 0
+    restarts: int = 0
+
+
+class RolloutDispatcher:
+    def __init__(self, worker_factory: Callable[[], Any], n: int, max_retries: int = 2) -> None:
+        if n <= 0:
+            raise ValueError(f"RolloutDispatcher: n must be > 0, got {n}")
+        self._factory = worker_factory
+        self._lock = threading.Lock()
+        self._slots = [_Slot(handle=worker_factory()) for _ in range(n)]
+        self.max_retries = max_retries
+        self._latest: tuple[list[Any], int] | None = None  # (bucket refs, version) of the last sync
+
+    # -- balancing
+    def _assign(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        with self._lock:
+            for i in indices:
+                w = min(range(len(self._slots)), key=lambda k: self._slots[k].outstanding)
+                self._slots[w].outstanding += 1
+                out.setdefault(w, []).append(i)
+        return out
+
+    def _release(self, w: int, count: int) -> None:
+        with self._lock:
+            self._slots[w].outstanding -= count
+
+    def _restart(self, w: int, generation: int) -> None:
+        """Replace worker w unless another caller already did; give it the latest weights first."""
+        import ray
+
+        with self._lock:
+            slot = self._slots[w]
+            if slot.generation != generation:
+                return
+            log.warning("rollout worker %d died; restarting it", w)
+            try:
+                ray.kill(slot.handle)
+            except Exception:  # already gone
+                pass
+            handle = self._factory()
+            if self._latest is not None:
+                refs, version = self._latest
+                ray.get(handle.update_weights.remote(refs, version))
+            slot.handle = handle
+            slot.generation += 1
+            slot.restarts += 1
+
+    # -- the public surface
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        return self._fan_out("generate", list(requests))
+
+    def score(self, token_ids_list: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        return self._fan_out("score", [tuple(s) for s in token_ids_list])
+
+    def _fan_out(self, method: str, items: list[Any]) -> list[Any]:
+        import ray
+        from ray.exceptions import RayActorError
+
+        results: list[Any] = [None] * len(items)
+        todo = list(range(len(items)))
+        for attempt in range(self.max_retries + 1):
+            if not todo:
+                break
+            assignment = self._assign(todo)
+            calls: dict[Any, tuple[int, list[int], int]] = {}
+            for w, idxs in assignment.items():
+                slot = self._slots[w]
+                ref = getattr(slot.handle, method).remote([items[i] for i in idxs])
+                calls[ref] = (w, idxs, slot.generation)
+            failed: list[int] = []
+            pending = list(calls)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                w, idxs, gen = calls[done[0]]
+                try:
+                    out = ray.get(done[0])
+                except RayActorError as e:
+                    log.warning("worker %d failed during %s (%s): retrying %d requests", w, method, type(e).__name__, len(idxs))
+                    self._restart(w, gen)
+                    failed.extend(idxs)
+                    continue
+                finally:
+                    self._release(w, len(idxs))
+                for i, r in zip(idxs, out):
+                    results[i] = r
+            todo = failed
+        if todo:
+            raise DispatchError(f"{len(todo)} requests failed after {self.max_retries} worker restarts")
+        return results
+
+    def update_weights(self, buckets: Sequence[Any], version: int) -> list[WeightUpdateStats]:
+        """Send one weight sync (buckets or refs to them) to every worker at once; remembered for restarts."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [b if isinstance(b, ray.ObjectRef) else ray.put(b) for b in buckets]
+        self._latest = (refs, int(version))
+        calls = [(w, s.generation, s.handle.update_weights.remote(refs, int(version))) for w, s in enumerate(self._slots)]
+        out: list[WeightUpdateStats] = []
+        for w, gen, ref in calls:
+            try:
+                out.append(ray.get(ref))
+            except RayActorError:
+                self._restart(w, gen)  # the replacement is given these latest weights before it serves
+                h = ray.get(self._slots[w].handle.health.remote())
+                out.append(WeightUpdateStats(num_tensors=0, num_bytes=0, seconds=0.0, repacked_moe_layers=0, policy_version=h.policy_version))
+        return out
+
+    def health(self) -> list[Any]:
+        import ray
+
+        return ray.get([s.handle.health.remote() for s in self._slots])
+
+    @property
+    def restarts(self) -> list[int]:
+        return [s.restarts for s in self._slots]
+
+    @property
+    def handles(self) -> list[Any]:
+        return [s.handle for s in self._slots]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for s in self._slots:
+            try:
+                ray.get(s.handle.shutdown.remote(), timeout=60)
+            except Exception:
+                pass
+            try:
+                ray.kill(s.handle)
+            except Exception:
+                pass

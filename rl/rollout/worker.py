@@ -1,0 +1,110 @@
+"""`RolloutWorker`: a Ray actor owning one in-process vLLM `RolloutEngine` (same code on CPU and GPU).
+
+The actor is threaded (`max_concurrency`): concurrent `generate` calls from many episodes each
+submit their requests to the engine's continuous-batching loop and wait on their own futures, so
+vLLM batches them together. `update_weights` takes a weight sync as a list of buckets — `WeightBucket`s,
+raw safetensors bytes, or Ray object refs to either (refs inside a list are not resolved by Ray, so
+the worker resolves them) — and applies them bucket by bucket, between two engine steps.
+
+What it does not do: choose which worker serves a request or restart itself (rl/rollout/dispatcher.py),
+or run episodes (rl/rollout/agent_loop.py).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rl.rollout.engine import EngineConfig, GenerateRequest, GenerateResult, RolloutEngine, WeightUpdateStats
+from rl.weights import WeightBucket, unpack_bucket
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    pid: int
+    policy_version: int
+    pending_requests: int
+    startup_s: float
+    is_cpu: bool
+    routed_experts: bool
+    generated_tokens: int
+
+
+class RolloutWorkerImpl:
+    """The actor body (also usable without Ray, e.g. in a benchmark)."""
+
+    def __init__(self, config: EngineConfig, env: Mapping[str, str] | None = None) -> None:
+        for k, v in (env or {}).items():  # e.g. cache dirs, CUDA_VISIBLE_DEVICES, VLLM_* knobs: before vLLM starts
+            os.environ[k] = v
+        self.engine = RolloutEngine(config)
+        self._generated_tokens = 0
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        results = self.engine.generate(requests)
+        self._generated_tokens += sum(len(r.token_ids) for r in results)
+        return results
+
+    def score(self, token_ids_list: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        return self.engine.score(token_ids_list)
+
+    def update_weights(self, buckets: Sequence[Any], version: int | None = None) -> WeightUpdateStats:
+        """Apply a whole sync (list of buckets); policy_version becomes `version` (default: +1) once, at the end."""
+        if not buckets:
+            raise ValueError("update_weights: empty bucket list")
+        target = self.engine.policy_version + 1 if version is None else int(version)
+        t0 = time.perf_counter()
+        n_tensors = n_bytes = repacked = 0
+        for item in buckets:
+            item = _resolve(item)
+            if not isinstance(item, (WeightBucket, bytes, bytearray)):
+                raise TypeError(f"update_weights: a bucket must be a WeightBucket, safetensors bytes or an object ref to one; got {type(item).__name__}")
+            st = self.engine.update_weights(unpack_bucket(item), version=target)
+            n_tensors += st.num_tensors
+            n_bytes += st.num_bytes
+            repacked += st.repacked_moe_layers
+        return WeightUpdateStats(num_tensors=n_tensors, num_bytes=n_bytes, seconds=time.perf_counter() - t0,
+                                 repacked_moe_layers=repacked, policy_version=self.engine.policy_version)
+
+    def health(self) -> WorkerHealth:
+        e = self.engine
+        return WorkerHealth(pid=os.getpid(), policy_version=e.policy_version, pending_requests=e.num_pending(),
+                            startup_s=e.startup_s, is_cpu=e.is_cpu, routed_experts=e.routed_experts_enabled,
+                            generated_tokens=self._generated_tokens)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _resolve(item: Any) -> Any:
+    try:
+        import ray
+
+        if isinstance(item, ray.ObjectRef):
+            return ray.get(item)
+    except ImportError:
+        pass
+    return item
+
+
+def rollout_worker_actor(num_cpus: float = 1, num_gpus: float = 0, max_concurrency: int = 256, max_restarts: int = 0) -> Any:
+    """The Ray actor class with resources set: `rollout_worker_actor(...).remote(config)`.
+
+    max_restarts defaults to 0: restarts are the dispatcher's job, because a restarted engine must
+    be given the latest weights before it serves again (Ray's own restart would serve the checkpoint).
+    """
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency, max_restarts=max_restarts)(RolloutWorkerImpl)
+
+
+def __getattr__(name: str) -> Any:
+    # `RolloutWorker` (the @ray.remote class with default resources) is built on first use so that
+    # importing this module does not import Ray.
+    if name == "RolloutWorker":
+        cls = rollout_worker_actor()
+        globals()["RolloutWorker"] = cls
+        return cls
+    raise AttributeError(name)
