@@ -183,33 +183,44 @@ def moe_batch_stats(
     flat = ((dom_N[None, :, None] * L + l_idx) * E + routes).reshape(-1)
     counts_DLE = torch.bincount(flat, minlength=(D + 1) * L * E)[: D * L * E].double().reshape(D, L, E)
 
-    def per_domain_sum(v_LN: Tensor) -> Tensor:  # [L, N] -> [D, L] sums over each domain's real tokens
-        out = torch.zeros(L, D + 1, dtype=torch.float64, device=dev)
-        out.index_add_(1, dom_N, v_LN.double())
-        return out[:, :D].T
+    # Everything below works on real tokens only (R of them): padding may hold garbage (NaN logits, -1 ids),
+    # and per-domain sums become one matmul with a [R, D] one-hot instead of a scatter per statistic.
+    real_R = mask_N.nonzero().squeeze(1)
+    dom_R = dom_N.index_select(0, real_R)
+
+    def per_domain_sum(v_LR: Tensor) -> Tensor:  # [L, R] -> [D, L] sums over each domain's real tokens
+        onehot_RD = torch.nn.functional.one_hot(dom_R, D).to(v_LR.dtype)
+        return (v_LR @ onehot_RD).T.double()
 
     kw: dict = {}
     if router_logits is not None:
         logits_LNE = _as_LNX("router_logits", router_logits)
         if logits_LNE.shape[:2] != (L, N) or logits_LNE.shape[2] != E:
             raise ValueError(f"router_logits has shape {tuple(logits_LNE.shape)}; expected [L={L}, N={N}, E={E}]")
-        p_LNE = router_probs(logits_LNE, scoring)
-        p_LNE = torch.where(mask_N[None, :, None], p_LNE, torch.zeros((), dtype=p_LNE.dtype, device=dev))  # padding may be garbage
-        prob = torch.zeros(L, D + 1, E, dtype=torch.float64, device=dev)
-        prob.index_add_(1, dom_N, p_LNE.double())
-        ent_LN = -(p_LNE * torch.log(p_LNE.clamp_min(1e-30))).sum(-1)
-        lse_LN = torch.logsumexp(logits_LNE.double(), dim=-1)
-        z_LN = torch.where(mask_N[None, :], lse_LN * lse_LN, torch.zeros((), dtype=torch.float64, device=dev))
-        kw.update(has_logits=True, prob_sum_DLE=prob[:, :D].permute(1, 0, 2).cpu().numpy(),
-                  entropy_sum_DL=per_domain_sum(ent_LN).cpu().numpy(), z_sum_DL=per_domain_sum(z_LN).cpu().numpy())
+        # fp32 like the routers themselves (bf16 logits are upcast); fp64 inputs stay fp64 (tests)
+        cdt = torch.float64 if logits_LNE.dtype == torch.float64 else torch.float32
+        lg_LRE = logits_LNE.index_select(1, real_R.to(logits_LNE.device)).to(device=dev, dtype=cdt)
+        if scoring == "softmax":
+            logp_LRE = torch.log_softmax(lg_LRE, dim=-1)
+            p_LRE = logp_LRE.exp()
+        else:
+            p_LRE = router_probs(lg_LRE, scoring)
+            logp_LRE = torch.log(p_LRE.clamp_min(1e-30))
+        onehot_RD = torch.nn.functional.one_hot(dom_R, D).to(cdt)
+        prob_LDE = onehot_RD.T[None] @ p_LRE  # [L, D, E]
+        ent_LR = -(p_LRE * logp_LRE).sum(-1)
+        lse_LR = torch.logsumexp(lg_LRE, dim=-1)
+        kw.update(has_logits=True, prob_sum_DLE=prob_LDE.double().permute(1, 0, 2).cpu().numpy(),
+                  entropy_sum_DL=per_domain_sum(ent_LR).cpu().numpy(), z_sum_DL=per_domain_sum(lse_LR * lse_LR).cpu().numpy())
     if fresh_routes_LNK is not None:
         if fresh_routes_LNK.shape != routes_LNK.shape:
             raise ValueError(f"fresh_routes_LNK has shape {tuple(fresh_routes_LNK.shape)}; expected {tuple(routes_LNK.shape)} like routes_LNK")
-        fresh = fresh_routes_LNK.to(dev).long().clamp(0, E - 1)
-        # |A ∩ B| for top-k sets without duplicates: count pairs (i, j) with a_i == b_j
-        shared_LN = (routes[..., :, None] == fresh[..., None, :]).any(-1).sum(-1)
-        kw.update(has_replay=True, mismatch_slots_DL=per_domain_sum(K - shared_LN).cpu().numpy(),
-                  mismatch_tokens_DL=per_domain_sum((shared_LN < K).double()).cpu().numpy())
+        fresh_LRK = fresh_routes_LNK.to(dev).long().index_select(1, real_R)
+        routes_LRK = routes.index_select(1, real_R)
+        # |A ∩ B| for top-k sets without duplicates: count slots of A found anywhere in B
+        shared_LR = (routes_LRK[..., :, None] == fresh_LRK[..., None, :]).any(-1).sum(-1).double()
+        kw.update(has_replay=True, mismatch_slots_DL=per_domain_sum(K - shared_LR).cpu().numpy(),
+                  mismatch_tokens_DL=per_domain_sum((shared_LR < K).double()).cpu().numpy())
     return MoeBatchStats(domains=domains, num_experts=E, top_k=int(K), tokens_D=tokens_D.cpu().numpy(),
                          counts_DLE=counts_DLE.cpu().numpy(), **kw)
 

@@ -165,12 +165,15 @@ class Runtime:
     def _start_rollout(self, serve_dir: Path) -> None:
         from rl.rollout.dispatcher import RolloutDispatcher
         from rl.rollout.engine import EngineConfig
+        from rl.rollout.worker import rollout_worker_actor
 
         cfg = self.cfg
         ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed)
+        env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "XDG_"))}
+        Actor = rollout_worker_actor(num_cpus=1)
         self.engine_config = ecfg
-        self.rollout_engine = RolloutDispatcher.start(ecfg, num_workers=cfg.rollout.num_workers)
-        log.info("rollout workers ready: %d", cfg.rollout.num_workers)
+        self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
+        log.info("rollout workers ready: %s", self.rollout_engine.health())
 
     def shutdown(self) -> None:
         import ray
@@ -210,7 +213,10 @@ class Runtime:
         from rl.rollout.agent_loop import BatchingGenerator, run_groups
 
         async def go():
-            gen = BatchingGenerator(self.rollout_engine.generate_async)
+            async def generate_batch(reqs):  # the dispatcher blocks on Ray; keep the event loop free
+                return await asyncio.to_thread(self.rollout_engine.generate, reqs)
+
+            gen = BatchingGenerator(generate_batch)
             return await run_groups(tasks, group_size, self._make_env, gen, self.tok, self.chat, self._loop_settings(temperature),
                                     policy_version=self.policy_version, max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                     seed=seed)
@@ -282,12 +288,15 @@ class Runtime:
 
         t0 = time.perf_counter()
         version = ray.get(self.trainer.version.remote())
-        buckets_ref = self.trainer.export_weights.remote(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format)
-        stats = self.rollout_engine.update_weights(buckets_ref, version)
+        # Bucket refs owned by the trainer: the payload goes trainer -> object store -> workers.
+        bucket_refs = ray.get(self.trainer.export_weights.remote(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format))
+        t_export = time.perf_counter()
+        stats = self.rollout_engine.update_weights(bucket_refs, version)
         self.policy_version = version
         dt = time.perf_counter() - t0
-        nbytes = float(stats.get("bytes", 0.0))
-        return {"sync/seconds": dt, "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9)}
+        nbytes = float(max((s.num_bytes for s in stats), default=0))
+        return {"sync/seconds": dt, "sync/export_s": t_export - t0, "sync/load_s": max((s.seconds for s in stats), default=0.0),
+                "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9), "sync/buckets": float(len(bucket_refs))}
 
     def measure_gap(self, groups: Sequence[RolloutGroup], n: int = 4) -> dict[str, float]:
         """Engine vs trainer logprobs of the same generated tokens under the same (new) weights."""

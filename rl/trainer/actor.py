@@ -41,11 +41,15 @@ class TrainerWorker:
     def set_lr(self, lr: float) -> None:
         self.t.set_lr(lr)
 
-    def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32") -> list[dict[str, Any]]:
-        """The current weights as buckets of checkpoint-named tensors (see rl/weights.py)."""
+    def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32") -> list[Any]:
+        """The current weights as object refs to buckets of checkpoint-named tensors (rl/weights.py).
+
+        Each bucket is put in Ray's object store here, so workers fetch it from there directly and
+        the driver only ever holds the (tiny) refs.
+        """
         from rl.weights import export_buckets
 
-        return export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt)
+        return [ray.put(b) for b in export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt)]
 
     def version(self) -> int:
         return self.t.version

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from dash_moe_cases import DOMS, all_reduce_worker, random_case
 from rl.algos.router import load_balance_loss, router_z_loss
 from rl.moe_telemetry import (
     expert_domain_matrix,
@@ -20,7 +21,6 @@ from rl.moe_telemetry import (
     token_domain_ids,
 )
 
-DOMS = ("a", "b", "c")
 
 
 def ref_metrics(routes, dom, mask, logits, fresh, E, domains, scoring="softmax"):
@@ -96,19 +96,6 @@ def ref_metrics(routes, dom, mask, logits, fresh, E, domains, scoring="softmax")
         mis.append(sum(v / tot * math.log((v / tot) / (pd[a] * pe[b])) for (a, b), v in joint.items()))
     out["moe/expert_domain_mi/all"] = sum(mis) / len(mis) if mis else 0.0
     return out
-
-
-def random_case(seed, L=3, N=40, E=6, K=2, D=3, pad_frac=0.25, skip_domain=None):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(L, N, E, generator=g, dtype=torch.float64) * 2
-    routes = logits.topk(K, dim=-1).indices
-    fresh = (logits + 0.7 * torch.randn(L, N, E, generator=g, dtype=torch.float64)).topk(K, dim=-1).indices
-    dom = torch.randint(0, D, (N,), generator=g)
-    if skip_domain is not None:
-        dom = torch.where(dom == skip_domain, (dom + 1) % D, dom)
-    mask = torch.rand(N, generator=g) >= pad_frac
-    routes = torch.where(mask[None, :, None], routes, torch.full_like(routes, -1))  # padding carries -1 like collate()
-    return routes, dom, mask, logits, fresh
 
 
 def assert_metrics_close(got, want, tol=1e-9):
@@ -288,19 +275,6 @@ def test_padding_may_carry_garbage():
     assert m["moe/tokens/x"] == 1 and math.isfinite(m["moe/router_entropy/x"]) and math.isfinite(m["moe/z_loss/x"])
 
 
-def _all_reduce_worker(rank, port, q):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    routes, dom, mask, logits, _ = random_case(11, N=40)
-    s = slice(0, 15) if rank == 0 else slice(15, 40)
-    from rl.moe_telemetry import all_reduce_stats
-
-    st = all_reduce_stats(moe_batch_stats(routes[:, s], dom[s], DOMS, 6, token_mask_N=mask[s], router_logits=logits[:, s]))
-    q.put((rank, moe_metrics(st)))
-    dist.destroy_process_group()
-
-
 def test_all_reduce_over_two_ranks_equals_single_process():
     import socket
 
@@ -311,7 +285,7 @@ def test_all_reduce_over_two_ranks_equals_single_process():
         port = sk.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=all_reduce_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
     res = dict(q.get(timeout=120) for _ in procs)

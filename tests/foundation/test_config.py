@@ -80,3 +80,14 @@ def test_cli_help_lists_subcommands():
     for sub in ["train", "eval", "serve", "export", "report"]:
         r = subprocess.run([sys.executable, "-m", "rl.cli", sub, "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert r.returncode == 0 and "usage" in r.stdout, sub
+
+
+def test_cluster_launcher_validates_and_builds_a_job_submit_command():
+    r = subprocess.run([sys.executable, "scripts/ray_submit.py", "--address", "http://head:8265", "--print-only",
+                        "configs/quickstart.yaml", "trainer.steps=3"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ray job submit --address http://head:8265 --runtime-env-json")
+    assert "vllm==" in r.stdout and "trainer.steps=3" in r.stdout
+    bad = subprocess.run([sys.executable, "scripts/ray_submit.py", "--address", "x", "--print-only", "configs/quickstart.yaml",
+                          "trainer.stepz=3"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert bad.returncode != 0 and "did you mean 'trainer.steps'" in bad.stderr

@@ -271,3 +271,13 @@ def test_empty_leading_dims_are_fine():
     b, s = quantize_mxfp4(torch.empty(0, 64))
     assert b.shape == (0, 2, 16) and s.shape == (0, 2)
     assert dequantize_mxfp4(b, s).shape == (0, 64)
+
+
+def test_threaded_chunks_report_the_first_bad_value():
+    x = torch.randn(12000, 64)  # 24,000 blocks: several chunks on several threads
+    x[11000, 3] = float("nan")
+    x[200, 5] = float("inf")
+    with pytest.raises(MXFP4Error, match=f"flat index {200 * 64 + 5} "):
+        quantize_mxfp4(x, nonfinite="raise")
+    b, s = quantize_mxfp4(x)
+    assert int(s[200, 0]) == 0xFF and int(s[11000, 0]) == 0xFF and int((s == 0xFF).sum()) == 2

@@ -315,3 +315,16 @@ def test_compare_models_against_direct_formulas(qwen):
     assert c.max_abs_logit_err == pytest.approx(torch.stack(errs).max().item())
     same = compare_models(m, m, ids)
     assert same.max_abs_logit_err == 0 and same.next_token_agreement == 1 and same.mean_kl == 0
+
+
+def test_compare_models_replays_reference_routes(hybrid, qwen):
+    m, _ = hybrid
+    q = _fake_quant_experts(m)
+    ids = torch.randint(20, 1000, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        routes = m(ids).routed_experts
+        want = q(ids, routed_experts=routes).logits
+    c = compare_models(m, q, ids, replay_routes=True)
+    assert c.max_abs_logit_err == pytest.approx((m(ids).logits - want).abs().max().item())
+    with pytest.raises(ValueError, match="routed_experts"):
+        compare_models(qwen[0], qwen[0], ids % 160, replay_routes=True)

@@ -96,8 +96,6 @@ def to_shape(result: Any):
     items: list[Any]
     if isinstance(result, cq.Workplane):
         items = list(result.vals())
-        if not items and result.ctx.pendingWires:
-            raise NoSolidError("`result` holds only pending 2D wires; extrude or revolve them into a solid")
     elif isinstance(result, cq.Assembly):
         items = [result.toCompound()]
     elif isinstance(result, (list, tuple)):
