@@ -28,6 +28,21 @@ class ConfigError(ValueError):
     """A configuration problem, raised before any work starts."""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2-style booleans: only true/false. (YAML 1.1 reads `off`, `on`, `yes`, `no` as
+    booleans, which would turn `dynamic_sampling: off` into False.)"""
+
+
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", __import__("re").compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 # ----------------------------------------------------------------------------- sections
 @dataclass
 class ModelSection:
@@ -227,7 +242,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 def _parse_scalar(text: str) -> Any:
     """Dotted-override values are YAML scalars: `1e-5`, `true`, `[a, b]`, `{swe: 0.5}`."""
-    value = yaml.safe_load(text)
+    value = _yaml(text)
     # YAML 1.1 reads '1e-5' as a string; accept it as a float.
     if isinstance(value, str):
         try:
@@ -262,7 +277,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             p = CONFIG_DIR / p
         if not p.exists():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = _yaml(p.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
         data = loaded

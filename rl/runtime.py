@@ -244,16 +244,22 @@ class Runtime:
                                    domain_names=dict(enumerate(batch.domains)))
         return batch.with_(loss_weights_BT=w)
 
-    def train(self, groups: Sequence[RolloutGroup], adv: Sequence[float]) -> dict[str, float]:
+    def submit_train(self, groups: Sequence[RolloutGroup], adv: Sequence[float]) -> Any:
+        """Start one update on the trainer actor; returns a handle for `wait_train` (non-blocking)."""
         import ray
 
         episodes = [e for g in groups for e in g.episodes]
         batch = self._batch(episodes, adv)
-        old_lp, routes = ray.get(self.trainer.compute_logprobs.remote(batch))
-        if routes is not None:  # R2: the old policy's own routes, replayed in the update
-            batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
-        batch = batch.with_(old_logprobs_BT=old_lp)
-        m = ray.get(self.trainer.train_step.remote(batch))
+        trainer_version = ray.get(self.trainer.version.remote())
+        staleness = trainer_version - min(e.policy_version for e in episodes)
+        return (self.trainer.rl_step.remote(batch), float(staleness))
+
+    def wait_train(self, pending: Any) -> dict[str, float]:
+        import ray
+
+        ref, staleness = pending
+        m = dict(ray.get(ref))
+        m["policy/staleness"] = staleness
         return m
 
     def sft_warm_start(self, steps: int) -> dict[str, float]:

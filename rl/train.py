@@ -69,6 +69,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
             rt.sync_weights()
         summary["before"] = rt.evaluate("before")
         bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
+        pending = None  # async mode: the update of step n runs while step n+1 rolls out (staleness <= 1)
         for step in bar:
             t0 = time.perf_counter()
             tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
@@ -78,22 +79,36 @@ def run(cfg: RunConfig, runtime=None) -> dict:
             rt.sampler.observe({d: 1.0 - v for d, v in
                                 ((k.rsplit("/", 1)[1], v) for k, v in ds_m.items() if k.startswith("rollout/zero_var_frac/"))})
             train_m: dict[str, float] = {}
+            sync_m: dict[str, float] = {}
+            if pending is not None:                                            # async: the previous update is done by now
+                train_m = rt.wait_train(pending)
+                sync_m = rt.sync_weights()
+                pending = None
             if kept:
                 adv = compute_advantages(kept, cfg.algorithm.advantage,
                                          norm_std=cfg.algorithm.advantage != "dr_grpo")          # advantages
-                train_m = rt.train(kept, adv)                                  # old logprobs (+ routes), then the update
+                pending = rt.submit_train(kept, adv)                           # old logprobs (+ routes), then the update
+                if not cfg.trainer.async_mode:
+                    train_m = rt.wait_train(pending)
+                    pending = None
+                    sync_m = rt.sync_weights()                                 # push the new weights to the rollout engines
             t_train = time.perf_counter()
-            sync_m = rt.sync_weights() if kept else {}                         # push the new weights to the rollout engines
-            t_sync = time.perf_counter()
-            gap_m = rt.measure_gap(groups) if kept else {}                     # engine vs trainer logprobs on the same tokens
+            gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
             values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m,
-                      "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll, "time/sync_s": t_sync - t_train,
+                      "time/rollout_s": t_roll - t0, "time/train_and_sync_s": t_train - t_roll,
                       "time/step_s": time.perf_counter() - t0, "policy/version": float(rt.policy_version)}
             values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
             rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
             bar.set_postfix({k.split("/")[-1]: round(v, 3) for k, v in values.items() if k.startswith("reward/mean/")})
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
+                if pending is not None:                                        # a checkpoint holds a finished update
+                    rt.sink.log(StepMetrics(step=step, values=rt.wait_train(pending)))
+                    rt.sync_weights()
+                    pending = None
                 rt.checkpoint(step + 1)                                        # save (model, optimizer, sampler, rng)
+        if pending is not None:
+            rt.sink.log(StepMetrics(step=cfg.trainer.steps - 1, values=rt.wait_train(pending)))
+            rt.sync_weights()
         rt.checkpoint(cfg.trainer.steps)
         summary["after"] = rt.evaluate("after")
         rt.print_eval_table(summary["before"], summary["after"])

@@ -35,6 +35,13 @@ class TrainerWorker:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.t.train_step(batch)
 
+    def rl_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Old-policy logprobs (recording routes for R2 when the engine gave none), then one update."""
+        old_lp, routes = self.t.compute_logprobs(batch)
+        if routes is not None:
+            batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
+        return self.t.train_step(batch.with_(old_logprobs_BT=old_lp))
+
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.t.sft_step(batch)
 

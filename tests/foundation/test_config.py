@@ -91,3 +91,8 @@ def test_cluster_launcher_validates_and_builds_a_job_submit_command():
     bad = subprocess.run([sys.executable, "scripts/ray_submit.py", "--address", "x", "--print-only", "configs/quickstart.yaml",
                           "trainer.stepz=3"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert bad.returncode != 0 and "did you mean 'trainer.steps'" in bad.stderr
+
+
+def test_yaml_words_off_on_yes_no_stay_strings():
+    cfg = load_config(None, ["algorithm.dynamic_sampling=off", "rollout.enforce_eager=true"])
+    assert cfg.algorithm.dynamic_sampling == "off" and cfg.rollout.enforce_eager is True
