@@ -32,3 +32,4 @@ def register_all() -> None:
     _try("terminal", "envs.terminal:register")
     _try("browse", "envs.browse:register")
     _try("cad", "envs.cad:register")
+    _try("swe", "envs.swe:register")

@@ -191,10 +191,11 @@ class GatedDeltaNet(nn.Module):
                 z.reshape(B, T, self.num_v_heads, dv), b.reshape(B, T, self.num_v_heads), a.reshape(B, T, self.num_v_heads))
 
     def _conv(self, x_BCT: torch.Tensor, n_out: int) -> torch.Tensor:
-        # x may carry cached left context; zero left-padding makes the first outputs causal; keep the last n_out.
-        w = self.conv1d.weight  # [C, 1, K]
-        y = F.conv1d(F.pad(x_BCT.to(w.dtype), (self.conv_kernel_size - 1, 0)), w, groups=self.conv_dim)
-        return F.silu(y[..., -n_out:])
+        # x may carry cached left context. The module pads K-1 zeros on both sides, so its first L outputs are the
+        # causal ones; keep the last n_out of those. (Calling the module, not its weight, keeps ZeRO-3 gathering it.)
+        L = x_BCT.shape[-1]
+        y = self.conv1d(x_BCT.to(self.conv1d.weight.dtype))[..., :L]
+        return F.silu(y[..., L - n_out:])
 
     def forward(self, hidden_BTD: torch.Tensor, cache=None, padding_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
         if padding_mask_BT is not None:
@@ -227,7 +228,9 @@ class GatedDeltaNet(nn.Module):
                                                   beta_BTH[:, 0], state0)
             o_BTHV = o[:, None]
         else:
-            o_BTHV, state = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV.float(), g_BTH, beta_BTH, state0, self.chunk_size)
+            # short inputs: one chunk of exactly T steps (no padding work); the result does not depend on the chunk size
+            chunk = max(1, min(self.chunk_size, T))
+            o_BTHV, state = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV.float(), g_BTH, beta_BTH, state0, chunk)
         if cache is not None:
             cache.update_recurrent_state(state.detach(), self.layer_idx)
         o_BTHV = self.norm(o_BTHV.to(hidden_BTD.dtype), z_BTHV)

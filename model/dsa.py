@@ -213,16 +213,19 @@ class GatedIndexedAttention(nn.Module):
         return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), loss
 
     def _attend_masked(self, q_BHTD, k_BHSD, v_BHSD, allowed_BTS, need_output: bool = True):
-        """Eager attention over all S keys with a boolean mask; returns (out [B,H,T,D], probs [B,H,T,S])."""
-        k_BHSD = k_BHSD.repeat_interleave(self.groups, dim=1)
-        logits = (q_BHTD @ k_BHSD.transpose(-1, -2)) * self.scaling
-        logits = logits.masked_fill(~allowed_BTS[:, None], float("-inf"))
+        """Eager attention over all S keys with a boolean mask; returns (out [B,H,T,D], probs [B,H,T,S]).
+        GQA by broadcasting [B, Hkv, G, T, D] against [B, Hkv, 1, S, D] (no repeated copy of K / V)."""
+        B, H, T, Dh = q_BHTD.shape
+        Hkv, G, S = self.num_kv_heads, self.groups, k_BHSD.shape[2]
+        q_BNGTD = q_BHTD.view(B, Hkv, G, T, Dh)
+        logits = (q_BNGTD @ k_BHSD[:, :, None].transpose(-1, -2)) * self.scaling  # [B, Hkv, G, T, S]
+        logits = logits.masked_fill(~allowed_BTS[:, None, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         probs = torch.nan_to_num(probs, nan=0.0).to(q_BHTD.dtype)  # a fully padded query row attends to nothing
         if not need_output:
-            return None, probs
+            return None, probs.view(B, H, T, S)
         p = F.dropout(probs, p=self.attention_dropout, training=self.training)
-        return p @ v_BHSD.repeat_interleave(self.groups, dim=1), probs
+        return (p @ v_BHSD[:, :, None]).view(B, H, T, Dh), probs.view(B, H, T, S)
 
     def _attend_gathered(self, q_BHTD, k_BHSD, v_BHSD, scores_BTS, visible_BTS):
         """Sparse attention that reads only the k selected keys per query: cost O(T * k) instead of O(T * S)."""

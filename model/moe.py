@@ -85,14 +85,16 @@ def grouped_expert_ffn(x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Ten
     token_of = order // K  # which token each sorted (token, slot) pair came from
     counts = torch.bincount(flat_e, minlength=E).tolist()  # one host sync per layer
     x_sorted = x_ND.index_select(0, token_of)
-    outs, start = [], 0
+    # split / unbind (not per-expert slicing or indexing): their backward is one cat / stack, whereas the backward
+    # of each slice or index would materialise a full-size zero gradient per expert (O(E * size) memory traffic).
+    segs = x_sorted.split(counts, dim=0)
+    gate_up, down = gate_up_E2MD.unbind(0), down_EDM.unbind(0)
+    outs = []
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        seg = x_sorted[start:start + n]
-        gate, up = (seg @ gate_up_E2MD[e].t()).split(M, dim=-1)
-        outs.append((F.silu(gate) * up) @ down_EDM[e].t())
-        start += n
+        g, u = (segs[e] @ gate_up[e].t()).split(M, dim=-1)
+        outs.append((F.silu(g) * u) @ down[e].t())
     y_sorted = torch.cat(outs, 0) if outs else x_ND.new_zeros(0, D)
     y_sorted = y_sorted * w_NK.reshape(-1).index_select(0, order)[:, None].to(y_sorted.dtype)
     return x_ND.new_zeros(N, D).index_add_(0, token_of, y_sorted.to(x_ND.dtype))
@@ -163,6 +165,10 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E), persistent=True)
         self.register_buffer("load_accum", torch.zeros(E), persistent=False)  # loads since the last bias update
 
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        # Parameters are used only inside their own module's forward, so ZeRO-3's per-module gathering sees them.
+        return F.linear(x_ND, self.weight)
+
 
 class Experts(nn.Module):
     def __init__(self, config) -> None:
@@ -170,6 +176,9 @@ class Experts(nn.Module):
         E, M, D = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * M, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, M))
+
+    def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        return grouped_expert_ffn(x_ND, idx_NK, w_NK, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
@@ -190,10 +199,10 @@ class SparseMoeBlock(nn.Module):
                 token_mask_N: torch.Tensor | None = None) -> tuple[torch.Tensor, MoeLayerRecord]:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
-        logits_NE = F.linear(x_ND, self.gate.weight)
+        logits_NE = self.gate(x_ND)
         scores, idx, w = route(logits_NE, self.top_k, self.scoring_func, self.norm_topk_prob,
                                self.gate.e_score_correction_bias, self.routed_scaling_factor, replay_idx_NK)
-        y_ND = grouped_expert_ffn(x_ND, idx, w, self.experts.gate_up_proj, self.experts.down_proj)
+        y_ND = self.experts(x_ND, idx, w)
         if self.shared_expert is not None:
             y_ND = y_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
         with torch.no_grad():

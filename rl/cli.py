@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a checkpoint (e.g. with MXFP4 expert weights)")
     p.add_argument("--mxfp4", action="store_true", help="quantize weights to MXFP4 (OCP MX v1.0)")
     p.add_argument("--include", choices=["experts", "all_linear"], default="experts")
+    p.add_argument("--rest-dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="dtype of the tensors kept in high precision (default: as in the source)")
     p.add_argument("src", help="run dir or checkpoint dir")
     p.add_argument("out", help="output directory")
 
@@ -114,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.mxfp4:
                 print("jointrl export: only --mxfp4 export exists; pass --mxfp4", file=sys.stderr)
                 return EXIT_CONFIG
-            return _call("model.mxfp4_export", "main_export", "MXFP4 export", args.src, args.out, args.include)
+            return _call("model.mxfp4_export", "main_export", "MXFP4 export", args.src, args.out, args.include, args.rest_dtype)
         if args.cmd == "report":
             return _call("rl.report", "main", "the HTML report", args.run_dir, args.out)
     except ConfigError as e:

@@ -339,3 +339,40 @@ def moe_telemetry(routes_LNK: Tensor, domain_ids_N: Tensor, domains: Sequence[st
     """One-shot `moe_metrics(moe_batch_stats(...))` for a single batch (keyword args as in both)."""
     metric_kw = {k: kw.pop(k) for k in ("per_layer", "per_expert", "per_layer_expert") if k in kw}
     return moe_metrics(moe_batch_stats(routes_LNK, domain_ids_N, domains, num_experts, **kw), **metric_kw)
+
+
+def router_biases(model: torch.nn.Module) -> Tensor | None:
+    """[L, E] aux-loss-free selection biases (`e_score_correction_bias` buffers) of a model's MoE routers,
+    in layer order (the order of `routed_experts`); None when the routers have none (HF Qwen3-MoE, Mixtral)."""
+    bs = [m.e_score_correction_bias for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), Tensor)]
+    return torch.stack([b.detach().float() for b in bs]) if bs else None
+
+
+class MoeStepTelemetry:
+    """The trainer's per-step accumulator: `add` each micro-batch after its forward, `finish` once per step.
+
+    replayed=True (R2/R3 routes were fed to the forward) also records how the replayed routes differ from
+    the trainer router's own choice (`fresh_routes` with `bias_LE`). `finish` sums over ranks when
+    torch.distributed is up, returns `moe_metrics`, and resets.
+    """
+
+    def __init__(self, num_experts: int, *, scoring: Scoring = "softmax", bias_LE: Tensor | None = None,
+                 per_layer: bool = True, per_expert: bool = True) -> None:
+        self.num_experts, self.scoring, self.bias_LE = int(num_experts), scoring, bias_LE
+        self.per_layer, self.per_expert = per_layer, per_expert
+        self.stats: MoeBatchStats | None = None
+
+    def add(self, batch, routes_LNK: Tensor, router_logits: Sequence[Tensor] | Tensor | None = None, *,
+            replayed: bool = False) -> None:
+        fresh = None
+        if replayed and router_logits is not None:
+            fresh = fresh_routes(router_logits, int(routes_LNK.shape[-1]), scoring=self.scoring, bias_LE=self.bias_LE)
+        s = stats_from_forward(batch, routes_LNK, self.num_experts, router_logits=router_logits, scoring=self.scoring,
+                               fresh_routes_LNK=fresh)
+        self.stats = s if self.stats is None else self.stats + s
+
+    def finish(self, group=None) -> dict[str, float]:
+        if self.stats is None:
+            return {}
+        st, self.stats = all_reduce_stats(self.stats, group), None
+        return moe_metrics(st, per_layer=self.per_layer, per_expert=self.per_expert)

@@ -422,9 +422,11 @@ class _Ctx:
         present = [k for k in keys if self.has(k)]
         return [Series(k, self.run.series[k], PALETTE[i % len(PALETTE)]) for i, k in enumerate(present)]
 
-    def dom_chart(self, pid: str, title: str, prefix: str, ylabel: str = "", **kw) -> str:
+    def dom_chart(self, pid: str, title: str, prefix: str, ylabel: str = "", *, extra_keys: Sequence[str] = (), **kw) -> str:
+        """Per-domain lines of `prefix/<domain>`, plus batch-wide `extra_keys` (dashed) when logged."""
         yrange = kw.pop("yrange", None)
         s = self.domain_series(prefix, **kw)
+        s += [Series(k, self.run.series[k], ALL_COLOR, dashed=True) for k in extra_keys if self.has(k)]
         if not s:
             return _missing(pid, title, f"no '{prefix}/<domain>' metrics")
         return line_chart(pid, title, self.xs, s, ylabel=ylabel, yrange=yrange)
@@ -680,7 +682,8 @@ def render_report(run: RunData) -> str:
              + c.dom_chart("token-clipfrac", "Token clip fraction (high) per domain", "pg/token_clipfrac_high", "fraction")
              + c.keys_chart("grad-norm", "Gradient norm (before clipping)", ["train/grad_norm"], "norm")
              + c.dom_chart("entropy", "Sampled-token −log p (entropy estimate)", "pg/neg_logprob_mean", "nats")
-             + c.dom_chart("staleness", "Policy staleness (versions behind)", "policy/staleness_mean", "versions")
+             + c.dom_chart("staleness", "Policy staleness (versions behind)", "policy/staleness_mean", "versions",
+                           extra_keys=("policy/staleness",))
              + "</div>"),
             ("Train / inference gap", "gap", '<div class="grid2">'
              + c.dom_chart("logprob-gap", "|log p trainer − log p engine| on generated tokens (mean)", "mismatch/logprob_abs_mean", "nats")

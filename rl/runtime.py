@@ -76,15 +76,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ start / stop
     @classmethod
-    def start(cls, cfg: RunConfig) -> "Runtime":
+    def start(cls, cfg: RunConfig, *, with_trainer: bool = True) -> "Runtime":
+        """Everything a training run needs; `with_trainer=False` for evaluation (engines + envs only)."""
         from rl.paths import setup_cache_env
 
         setup_cache_env(cfg.resolved_cache_dir())
         rt = cls(cfg)
-        rt._start()
+        rt._start(with_trainer)
         return rt
 
-    def _start(self) -> None:
+    def _start(self, with_trainer: bool = True) -> None:
         import ray
 
         import envs
@@ -98,7 +99,7 @@ class Runtime:
         torch.manual_seed(cfg.model.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        resume = cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
+        resume = with_trainer and cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
         init_dir = build_initial_checkpoint(cfg.model.arch, self.run_dir / "init_model", cfg.model.seed)
         serve_dir = self.ckpt_dir / "hf" if resume else init_dir
         self.chat = chat
@@ -125,7 +126,8 @@ class Runtime:
             else:
                 ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
                          _temp_dir=os.environ.get("RAY_TMPDIR"))
-        self._start_trainer(init_dir, resume)
+        if with_trainer:
+            self._start_trainer(init_dir, resume)
         self._start_rollout(serve_dir)
         self.sink = MetricsSink(self.run_dir, wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                 run_name=cfg.name, config=to_dict(cfg))
@@ -230,7 +232,7 @@ class Runtime:
         G = self.cfg.algorithm.group_size
         eps = self._run_groups(tasks, G, seed=self.cfg.envs.seed * 7919 + self.policy_version)
         groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
-        m = rollout_metrics(groups, self.tok)
+        m = rollout_metrics(groups, self.tok, policy_version=self.policy_version)
         m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
         return groups, m
 

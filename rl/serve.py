@@ -51,6 +51,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Protocol, Sequence
 
+from starlette.requests import Request  # module level: FastAPI resolves the handlers' (string) annotations here
+
 from envs.types import Message, ToolCall
 from model import chat
 from rl.config import RolloutSection
@@ -551,6 +553,8 @@ def finish_choice(index: int, comp: Completion, tokenizer: TokenizerLike, req: C
     if req.tool_choice.mode == "none" and ids and ids[-1] == chat.TOOL_CALL_START_ID and comp.engine_finish == "stop":
         # Generation was stopped at the opening of a tool call: the reply ends before it.
         text = text[: ends[-2]] if len(ends) > 1 else ""
+        if text.endswith("\n"):  # the separator the format puts between content and a tool call
+            text = text[:-1]
         finish = "stop"
     cut = _cut_at_stop(text, req.stop)
     if cut is not None:
@@ -836,15 +840,69 @@ class ChatService:
         self.history = TokenHistory(settings.token_cache_entries)
         self.created = int(time.time())
         self.requests = 0
-        self.peak_engine_pending = 0  # most requests seen in the engine at once (shows batching)
+        self.peak_engine_pending = 0  # most engine requests pending right after a submit
+        self.inflight = 0  # HTTP requests generating now
+        self.peak_inflight = 0  # most HTTP requests generating at once: > 1 means they shared engine steps (batched)
         self._stats_lock = threading.Lock()
+        self._queue: list[tuple[list[Any], asyncio.Future]] = []  # event-loop only
+        self._flusher: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._split_next = 0  # after a failed grouped submit: submit this many queue entries alone
 
     # -- engine calls
     async def _generate(self, reqs: Sequence[Any]) -> list[Any]:
-        futures = await asyncio.to_thread(self.engine.submit, list(reqs))  # submit waits for the engine's step lock
-        with self._stats_lock:
-            self.peak_engine_pending = max(self.peak_engine_pending, self.engine.num_pending())
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        """Queue requests for the next engine submit; await their results.
+
+        `RolloutEngine.submit` takes the engine's lock, which its stepper holds for a whole step, so
+        each submit waits up to one step. Requests that arrive while a submit is waiting are
+        collected and sent together in the next one (one lock acquisition per step, not per HTTP
+        request): at 64 concurrent requests this is what lets them join the running batch quickly.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._queue.append((list(reqs), fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        while self._queue:
+            if self._split_next > 0:
+                batch, self._queue = self._queue[:1], self._queue[1:]
+                self._split_next -= 1
+            else:
+                batch, self._queue = self._queue, []
+            flat = [r for reqs, _ in batch for r in reqs]
+            try:
+                futures = await asyncio.to_thread(self.engine.submit, flat)
+            except Exception as e:  # noqa: BLE001
+                if len(batch) == 1:
+                    batch[0][1].set_exception(e)
+                    continue
+                # One bad request must not fail the others it was grouped with: resubmit them one by one.
+                self._queue = [([*reqs], f) for reqs, f in batch] + self._queue
+                self._split_next = len(batch)
+                continue
+            with self._stats_lock:
+                self.peak_engine_pending = max(self.peak_engine_pending, self.engine.num_pending())
+            i = 0
+            for reqs, f in batch:
+                mine = futures[i : i + len(reqs)]
+                i += len(reqs)
+                task = asyncio.ensure_future(self._resolve(mine, f))
+                self._tasks.add(task)  # keep a reference until done (the loop holds tasks weakly)
+                task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _resolve(futures: Sequence[Any], out: asyncio.Future) -> None:
+        try:
+            res = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except BaseException as e:  # noqa: BLE001
+            if not out.done():
+                out.set_exception(e)
+            return
+        if not out.done():
+            out.set_result(res)
 
     async def _complete(self, prompt: tuple[int, ...], req: ChatRequest, max_tokens: int) -> list[Completion]:
         from rl.rollout.engine import GenerateRequest
@@ -903,7 +961,14 @@ class ChatService:
                            code="context_length_exceeded")
         # max_tokens larger than the room left is clamped (finish_reason "length" says when it bit).
         max_tokens = room if req.max_tokens is None else min(req.max_tokens, room)
-        comps = await self._complete(prompt.token_ids, req, max_tokens)
+        with self._stats_lock:
+            self.inflight += 1
+            self.peak_inflight = max(self.peak_inflight, self.inflight)
+        try:
+            comps = await self._complete(prompt.token_ids, req, max_tokens)
+        finally:
+            with self._stats_lock:
+                self.inflight -= 1
         turn = sum(1 for m in req.messages if m.role == "assistant")
         choices = [finish_choice(i, c, self.tokenizer, req, turn) for i, c in enumerate(comps)]
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -949,7 +1014,8 @@ class ChatService:
 # ============================================================================ the HTTP app
 def create_app(service: ChatService):
     """The FastAPI app. Every error reply, including unknown routes, uses the OpenAI error shape."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -965,6 +1031,10 @@ def create_app(service: ChatService):
         return JSONResponse(status_code=e.status_code,
                             content=ApiError(e.status_code, str(e.detail), code=code).body())
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        return JSONResponse(status_code=400, content=ApiError(400, f"invalid request: {e.errors()}").body())
+
     @app.exception_handler(Exception)
     async def _server_error(_: Request, e: Exception):
         log.exception("request failed")
@@ -972,8 +1042,8 @@ def create_app(service: ChatService):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "requests": service.requests, "peak_engine_pending": service.peak_engine_pending,
-                "policy_version": service.engine.policy_version}
+        return {"status": "ok", "requests": service.requests, "inflight": service.inflight, "peak_inflight": service.peak_inflight,
+                "peak_engine_pending": service.peak_engine_pending, "policy_version": service.engine.policy_version}
 
     @app.get("/v1/models")
     async def models():
@@ -1043,6 +1113,33 @@ def build_shipped_checkpoint(name: str, out_dir: Path, seed: int) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def build_test_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
+    """A tiny random-weight Qwen3-MoE (vLLM-native) with the shipped tokenizer (vocab 8192), for tests and benchmarks.
+
+    Until the HybridMoe vLLM plugin is available this is what the server's tests serve: the chat
+    format, thinking budgets and tool calls depend on the tokenizer, not on the architecture.
+    head_dim 64 (vLLM's CPU attention supports it); expert width 64 (a multiple of 32, no padding
+    in the CPU MoE kernel).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = Path(out_dir)
+    if (out / ".complete").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3MoeConfig(
+        vocab_size=8192, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, intermediate_size=2 * hidden_size, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
+        eos_token_id=chat.IM_END_ID, bos_token_id=None, pad_token_id=chat.PAD_ID, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    _copy_tokenizer(out)
+    (out / ".complete").write_text(json.dumps({"kind": "qwen3_moe test checkpoint", "seed": seed}))
+    return out
 
 
 def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:

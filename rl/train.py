@@ -16,6 +16,7 @@ import torch
 
 from rl.config import RunConfig
 from rl.log import get_logger, progress, setup_logging
+from rl.metrics import progress_text
 from rl.types import Episode, RolloutGroup, StepMetrics
 
 log = get_logger("train")
@@ -69,6 +70,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
             rt.sync_weights()
         summary["before"] = rt.evaluate("before")
         bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
+        t_run = time.perf_counter()
         pending = None  # async mode: the update of step n runs while step n+1 rolls out (staleness <= 1)
         for step in bar:
             t0 = time.perf_counter()
@@ -99,7 +101,8 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                       "time/step_s": time.perf_counter() - t0, "policy/version": float(rt.policy_version)}
             values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
             rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
-            bar.set_postfix({k.split("/")[-1]: round(v, 3) for k, v in values.items() if k.startswith("reward/mean/")})
+            bar.set_postfix_str(progress_text(step, cfg.trainer.steps, values, elapsed_s=time.perf_counter() - t_run,
+                                              steps_done=step + 1 - rt.start_step))
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
                 if pending is not None:                                        # a checkpoint holds a finished update
                     rt.sink.log(StepMetrics(step=step, values=rt.wait_train(pending)))

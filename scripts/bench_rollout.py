@@ -33,7 +33,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=64)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-only", default=None, help=argparse.SUPPRESS)  # internal: HF timing in a child process
     args = ap.parse_args()
+    if args.hf_only:
+        return hf_only(args)
 
     import numpy as np
     import torch
@@ -113,23 +116,16 @@ def main() -> None:
         ray.get(actor.update_weights.remote(refs, v + 10))
         ray_upd.append((time.perf_counter() - t0) * 1e3)
 
-    # ---- HF generate
+    # ---- HF generate, in a fresh process: vLLM pinned this one's torch to 1 thread and bound its memory
     if not args.skip_hf:
+        import json
+        import subprocess
+
         eng.shutdown()
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(2)
-        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-
-        def hf_gen(b):
-            ids = torch.tensor(prompts[:b])
-            with torch.no_grad():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, max_new_tokens=args.new,
-                                  min_new_tokens=args.new, pad_token_id=0)
-            return (out.shape[1] - ids.shape[1]) * b
-
-        for b in args.batches:
-            timed("hf", b, lambda b=b: hf_gen(b), reps=1)
+        cmd = [sys.executable, __file__, "--hf-only", str(ckpt), "--new", str(args.new), "--prompt-len", str(args.prompt_len),
+               "--batches", *map(str, args.batches)]
+        hf_rates = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        rows["hf"] = {int(k): v for k, v in hf_rates.items()}
 
     print(f"\ngenerated tok/s ({args.new} new tokens, prompt {args.prompt_len}, best of 2 after a warm-up):")
     print(f"{'path':<12}" + "".join(f"{'B=' + str(b):>12}" for b in args.batches) + "".join(f"{'vs bare B=' + str(b):>16}" for b in args.batches))
@@ -140,6 +136,33 @@ def main() -> None:
     print(f"  in-process   {min(upd):8.1f} ms  = {min(upd) / mb:.2f} ms/MB   (runs: {', '.join(f'{x:.0f}' for x in upd)})")
     print(f"  ray worker   {min(ray_upd):8.1f} ms  = {min(ray_upd) / mb:.2f} ms/MB   (object refs; ray.put of all buckets {put_ms:.0f} ms once)")
     ray.shutdown()
+
+
+def hf_only(args: argparse.Namespace) -> None:
+    import json
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rs = np.random.RandomState(0)
+    prompts = [[int(x) for x in rs.randint(10, 500, size=args.prompt_len)] for _ in range(max(args.batches))]
+    hf = AutoModelForCausalLM.from_pretrained(args.hf_only, dtype=torch.float32).eval()
+
+    def gen(b: int) -> int:
+        ids = torch.tensor(prompts[:b])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                              max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * b
+
+    rates = {}
+    for b in args.batches:
+        gen(b)  # warm-up
+        t0 = time.perf_counter()
+        n = gen(b)
+        rates[b] = n / (time.perf_counter() - t0)
+    print(json.dumps(rates))
 
 
 if __name__ == "__main__":

@@ -9,12 +9,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
-if ! command -v bwrap >/dev/null 2>&1; then
+# System packages: bubblewrap + util-linux (prlimit) for the sandbox, git and sqlite3 for terminal
+# tasks, chromium for the report's browser test.
+need=()
+command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
+command -v git >/dev/null 2>&1 || need+=(git)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq >/dev/null && $SUDO apt-get install -y -qq bubblewrap >/dev/null
+    echo "setup: apt-get install ${need[*]}" >&2
+    $SUDO apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "setup: bubblewrap (bwrap) is required for the sandbox; install it with your package manager" >&2
+    echo "setup: please install: ${need[*]} (the sandbox needs bubblewrap)" >&2
   fi
 fi
 

@@ -44,6 +44,7 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernel"
 INSIDE_ROOT = "/opt/jointrl-cad"
 MAX_BREP_BYTES = 16 << 20
 GRADE_TIMEOUT_S = 90.0
+KILL_MARGIN_S = 1.0
 # cadquery + OCP + VTK map ~1.1 GB of address space before any modelling; booleans need more.
 CAD_SANDBOX_LIMITS = SandboxLimits(workdir_mb=64, tmp_mb=64, max_procs=64, address_space_mb=3072,
                                    file_size_mb=32, cpu_seconds=120, open_files=512, max_output_bytes=200_000)
@@ -172,9 +173,13 @@ class CadDomain(Domain):
         assert self.sandbox is not None, "CAD tool called outside an episode"
         rel = f".cad/{secrets.token_hex(8)}.brep" if export else None
         out_inside = f"{self.sandbox.workdir_inside}/{rel}" if rel else "-"
+        # Kill a little before the framework's deadline: the sandbox needs up to ~2 s to drain after a
+        # kill, and the framework stops waiting at timeout + grace; this way the tool itself reports
+        # the kill (and a killed submit still ends the episode).
+        run_s = max(1.0, timeout_s - KILL_MARGIN_S)
         r = self.sandbox.run([self.python.python, "-I", self.python.runner, out_inside], stdin=code.encode(),
-                             timeout_s=timeout_s, env=AGENT_ENV, cwd=self.sandbox.workdir_inside)
-        ok, text = describe_run(r, timeout_s)
+                             timeout_s=run_s, env=AGENT_ENV, cwd=self.sandbox.workdir_inside)
+        ok, text = describe_run(r, run_s)
         return RunOutcome(ok=ok, text=text, timed_out=r.timed_out, out_rel=rel if ok else None)
 
     @tool

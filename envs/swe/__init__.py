@@ -1,0 +1,25 @@
+"""swe-v0: fix procedurally injected bugs in real Python libraries, graded by hidden tests (docs/swe.md)."""
+from __future__ import annotations
+
+from envs.base import ToolEnv
+
+
+def make_env(*, backend=None, sandbox_limits=None, grade_limits=None, **env_kwargs) -> ToolEnv:
+    """`envs.make("swe-v0", backend=..., sandbox_limits=..., grade_limits=..., limits=..., ...)`."""
+    from envs.swe.domain import SweDomain
+
+    kw = {}
+    if sandbox_limits is not None:
+        kw["sandbox_limits"] = sandbox_limits
+    if grade_limits is not None:
+        kw["grade_limits"] = grade_limits
+    env_kwargs.setdefault("grade_timeout_s", 180.0)
+    return ToolEnv(SweDomain(backend=backend, **kw), **env_kwargs)
+
+
+def register() -> None:
+    from envs.registry import register as reg
+    from envs.swe.tasks import ENV_ID, make_tasks
+
+    reg(ENV_ID, make_env, make_tasks,
+        description="fix injected bugs in toolz / cachetools / tabulate / more-itertools; graded by hidden tests")

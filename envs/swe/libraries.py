@@ -238,6 +238,13 @@ def ensure_runtime() -> Path:
     from envs.swe import runner
 
     files: dict[str, bytes] = {"driver.py": runner.DRIVER_SOURCE.encode()}
+    # Wrappers for the agent's shell: `python` / `pytest` run the project's interpreter with the
+    # runtime on PYTHONPATH (set by the domain). Their content names the interpreter's path, so
+    # the runtime's hash changes with the machine's interpreter.
+    exe = interpreter()
+    files["bin/python"] = f'#!/bin/sh\nexec {exe} "$@"\n'.encode()
+    files["bin/python3"] = files["bin/python"]
+    files["bin/pytest"] = f'#!/bin/sh\nexec {exe} -m pytest -p no:cacheprovider "$@"\n'.encode()
     for dist_name in RUNTIME_DISTRIBUTIONS:
         dist = importlib.metadata.distribution(dist_name)
         for f in dist.files or ():
@@ -262,7 +269,7 @@ def ensure_runtime() -> Path:
             p.write_bytes(data)
         (tmp / ".complete").write_text("ok\n")
         for p in [tmp, *tmp.rglob("*")]:
-            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+            os.chmod(p, 0o755 if p.is_dir() or p.parent.name == "bin" else 0o644)
         try:
             os.rename(tmp, dst)
         except OSError:

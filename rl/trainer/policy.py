@@ -195,14 +195,18 @@ class PolicyTrainer:
         B = batch.num_seqs
         metrics: dict[str, float] = {}
         n_mb = 0
+        tele = self._moe_telemetry()
         for s in range(0, B, self.spec.micro_batch_size):
             mb = batch.select(slice(s, s + self.spec.micro_batch_size))
             replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
             out = self._forward(mb, replay_BTLK=replay, router_logits=True)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
             router_logits = getattr(out, "router_logits", None)
+            routes_LNK = self._routes_used_LNK(out, router_logits)
+            if tele is not None and routes_LNK is not None and router_logits:
+                tele.add(mb, routes_LNK.detach(), [lg.detach() for lg in router_logits], replayed=replay is not None)
             # The objective's weights come from the whole step batch, so micro-batch losses just add up.
-            loss, m = self.objective(lp, mb, router_logits, self._routes_used_LNK(out, router_logits))
+            loss, m = self.objective(lp, mb, router_logits, routes_LNK)
             idx_loss = getattr(out, "indexer_loss", None)
             if idx_loss is not None:  # DSA indexer (its input is detached inside the model)
                 coef = float(getattr(self.module.config, "indexer_loss_coef", 0.0))
@@ -217,6 +221,13 @@ class PolicyTrainer:
         grad_norm = self._grad_norm()
         self.step_count += 1
         self.version += 1
+        if tele is not None:
+            metrics.update(tele.finish())  # per-domain expert load, router entropy, replay mismatch
+        if batch.old_logprobs_BT is not None:
+            from rl.telemetry import logprob_gap_metrics
+
+            metrics.update(logprob_gap_metrics(batch.old_logprobs_BT, batch.rollout_logprobs_BT, batch.loss_mask_BT > 0,
+                                               batch.domain_ids_B, batch.domains))
         metrics.update({
             "train/grad_norm": grad_norm,
             "train/lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.spec.lr,
@@ -248,6 +259,15 @@ class PolicyTrainer:
         self.step_count += 1
         self.version += 1
         return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm}
+
+    def _moe_telemetry(self):
+        cfg = self.module.config
+        n_exp = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+        if not n_exp:
+            return None
+        from rl.moe_telemetry import MoeStepTelemetry, router_biases
+
+        return MoeStepTelemetry(int(n_exp), scoring=getattr(cfg, "scoring_func", "softmax"), bias_LE=router_biases(self.module))
 
     def set_lr(self, lr: float) -> None:
         """Change the base learning rate (e.g. SFT warm start vs RL); the schedule's shape is kept."""

@@ -14,8 +14,10 @@ from rl.algos.router import load_balance_loss, router_z_loss
 from rl.moe_telemetry import (
     expert_domain_matrix,
     fresh_routes,
+    MoeStepTelemetry,
     moe_batch_stats,
     moe_metrics,
+    router_biases,
     moe_telemetry,
     stats_from_forward,
     token_domain_ids,
@@ -227,7 +229,14 @@ def test_real_model_forward_inputs():
     with torch.no_grad():
         out = m(input_ids=ids, attention_mask=attn, output_router_logits=True)
     E, K = cfg.num_experts, cfg.num_experts_per_tok
-    bias = torch.stack([layer.mlp.gate.e_score_correction_bias for layer in m.model.layers if hasattr(layer.mlp, "gate")])
+    bias = router_biases(m)
+    assert bias is not None and bias.shape == (cfg.num_hidden_layers, E)
+    with torch.no_grad():  # non-zero biases, so the check covers the bias-shifted selection
+        for mod in m.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.copy_(torch.randn(E) * 0.05)
+        out = m(input_ids=ids, attention_mask=attn, output_router_logits=True)
+    bias = router_biases(m)
     fresh = fresh_routes(out.router_logits, K, scoring=cfg.scoring_func, bias_LE=bias)
     st = stats_from_forward(batch, out.routed_experts, E, router_logits=out.router_logits, fresh_routes_LNK=fresh)
     n, L = st.tokens_D.sum(), st.num_layers
@@ -248,6 +257,16 @@ def test_real_model_forward_inputs():
                        fresh_routes(out2.router_logits, K, scoring=cfg.scoring_func, bias_LE=bias), E, DOMS, scoring=cfg.scoring_func)
     assert_metrics_close(moe_metrics(st2), want, tol=1e-6)
     assert moe_metrics(st2)["moe/replay_mismatch/all"] > 0
+    # the trainer-side accumulator over two micro-batches gives the same step metrics
+    acc = MoeStepTelemetry(E, scoring=cfg.scoring_func, bias_LE=bias)
+    for rows in (slice(0, 2), slice(2, 3)):
+        mb = batch.select(rows)
+        with torch.no_grad():
+            o = m(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT, output_router_logits=True,
+                  routed_experts=other.reshape(len(other), B, T, -1)[:, rows].reshape(len(other), -1, other.shape[-1]))
+        acc.add(mb, o.routed_experts, o.router_logits, replayed=True)
+    assert_metrics_close(acc.finish(), want, tol=1e-5)
+    assert acc.finish() == {}
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -275,6 +294,7 @@ def test_padding_may_carry_garbage():
     assert m["moe/tokens/x"] == 1 and math.isfinite(m["moe/router_entropy/x"]) and math.isfinite(m["moe/z_loss/x"])
 
 
+@pytest.mark.slow  # spawns two torch processes: ~10-20 s on a busy 2-core machine
 def test_all_reduce_over_two_ranks_equals_single_process():
     import socket
 

@@ -81,7 +81,7 @@ def brep_of(code: str) -> bytes:
 
 
 def test_check_env_passes(backend):
-    report = check_env("cad-v0", n_tasks=2, n_generate=12, env_kwargs={"backend": backend})
+    report = check_env("cad-v0", n_tasks=2, n_generate=8, env_kwargs={"backend": backend})
     assert report.passed, report.render()
 
 
@@ -182,6 +182,18 @@ def test_unbounded_allocation_is_stopped_and_scores_zero(backend, tasks):
     out = tr.messages[-1].content
     assert "MemoryError" in out or "killed" in out, out
     _assert_uid_clean(uid)
+
+
+def test_leftover_thread_does_not_hold_the_run_open(backend, tasks):
+    t = tasks["washer"]
+    p = t.private["params"]
+    code = ("import threading, time\n"
+            "threading.Thread(target=lambda: time.sleep(1000)).start()\n"
+            + FAMILIES["washer"].reference(p))
+    limits = dataclasses.replace(t.limits, tool_timeout_s=40.0)
+    tr, _, wall = play(backend, t, [ToolInvocation("submit", {"code": code})], limits=limits)
+    assert tr.grade.error is None and tr.grade.reward == 1.0, tr.render()
+    assert tr.grade.metrics["check/timed_out"] == 0.0
 
 
 def test_forged_report_and_planted_symlink_get_nothing(backend, tasks):

@@ -197,30 +197,36 @@ def test_bad_inputs_raise_clear_errors():
         m(torch.randint(11, 97, (2, 5)), attention_mask=torch.ones(2, 4))
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_a_context_dependent_corpus():
     """Sequences x_{t+1} = x_t + step (mod 16) with a random start and step per sequence: predicting the next token
-    needs the step, i.e. context. 300 AdamW steps on the shipped tiny shape (vocab cut to 64 for speed)."""
+    needs the step, i.e. context. 200 AdamW steps on the shipped tiny shape (vocab cut to 64 for speed)."""
     torch.manual_seed(0)
     c = model.load_shipped_config("tiny", vocab_size=64)
     m = HybridMoeForCausalLM(c).train()
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
 
-    def batch(n=16, T=32):
+    def batch(n=8, T=24):
         start = torch.randint(0, 16, (n, 1), generator=gen)
         step = torch.randint(1, 16, (n, 1), generator=gen)
         return 11 + (start + step * torch.arange(T)) % 16
 
-    losses = []
-    for _ in range(300):
-        ids = batch()
-        loss = m(ids, labels=ids, use_cache=False).lm_loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    start, end = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    # start ~ log(64) = 4.16; context-free optimum is log(16) = 2.77; with the step inferred after 2 tokens the
-    # achievable loss is ~ (log 16 + log 15) / 31 = 0.18.
-    assert start > 3.5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread avoids OpenMP hand-off costs on a busy 2-core machine
+    try:
+        losses = []
+        for _ in range(200):
+            ids = batch()
+            loss = m(ids, labels=ids, use_cache=False).lm_loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
+    start, end = losses[0], sum(losses[-10:]) / 10
+    # start ~ log(64) = 4.16; the best context-free loss is log(16) = 2.77; the first prediction cannot know the
+    # step (log 15), after that two tokens determine the rest: the floor is log(15) / 23 = 0.12 (measured 4.2 -> 0.20).
+    assert start > 3.5, (start, end)
     assert end < 1.0, (start, end)

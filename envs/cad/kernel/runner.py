@@ -125,4 +125,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    # os._exit: threads the agent's code (or the kernel) left running must not hold the process
+    # open until the wall-clock kill once the report is out.
+    rc = main(sys.argv)
+    sys.stderr.flush()
+    os._exit(rc)

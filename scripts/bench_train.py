@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Training-side benchmark, figures side by side in one run (ratios: this machine is shared and noisy).
+
+1. Trainer tokens/s: `PolicyTrainer.train_step` (DeepSpeed engine, RL objective, R2 routing replay,
+   micro-batching) vs a bare forward + backward + AdamW step of the same model on the same batch.
+   Goal >= 0.85x.
+2. Weight-sync bytes/s: export to checkpoint-named safetensors buckets -> Ray object store ->
+   unpack (what a rollout worker receives), vs this machine's memcpy bandwidth on the same bytes.
+   Goal >= 50%.
+3. (--breakdown) Step-time breakdown (rollout / train+sync / other) of the real driver loop, sync
+   vs async mode, on a tiny Qwen3-MoE over the terminal domain. Starts vLLM + DeepSpeed twice.
+
+    .venv/bin/python scripts/bench_train.py [--model tiny|small] [--breakdown]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _batch(vocab: int, B: int, T: int, seed: int = 0):
+    import random
+
+    from rl.algos import aggregation_weights
+    from rl.trainer.batch import collate
+    from rl.types import Episode
+
+    rng = random.Random(seed)
+    eps = [Episode(task_id=f"t{i}", domain="d", group_id=f"g{i // 4}", token_ids=tuple(rng.randrange(11, vocab) for _ in range(T)),
+                   loss_mask=tuple([0] * (T // 4) + [1] * (T - T // 4)), rollout_logprobs=tuple([-2.0] * T), messages=(), reward=float(i % 2))
+           for i in range(B)]
+    b = collate(eps, [(-1.0) ** i for i in range(B)], domains=("d",))
+    w, _ = aggregation_weights("token_mean", b.loss_mask_BT > 0)
+    return b.with_(loss_weights_BT=w)
+
+
+def bench_trainer(model: str, B: int, T: int, iters: int) -> dict:
+    os.environ.setdefault("JOINTRL_CACHE", str(ROOT / ".cache"))
+    from rl.paths import setup_cache_env
+
+    setup_cache_env()
+    import torch
+
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+    from rl.objective import RLObjective
+    from rl.trainer.batch import token_logprobs
+    from rl.trainer.policy import PolicyTrainer, TrainerSpec
+
+    torch.manual_seed(0)
+    cfg = load_shipped_config(model)
+    tmp = tempfile.mkdtemp()
+    HybridMoeForCausalLM(cfg).save_pretrained(tmp)
+    batch = _batch(cfg.vocab_size, B, T)
+    tokens = int(batch.attention_mask_BT.sum())
+
+    # bare: forward + backward + AdamW on the same model, same batch, same micro-batch size
+    bare = HybridMoeForCausalLM.from_pretrained(tmp)
+    bare.train()
+    opt = torch.optim.AdamW(bare.parameters(), lr=1e-5)
+    def bare_step():
+        opt.zero_grad(set_to_none=True)
+        for s in range(0, B, 4):
+            out = bare(input_ids=batch.input_ids_BT[s:s + 4], attention_mask=batch.attention_mask_BT[s:s + 4])
+            lp = token_logprobs(out.logits, batch.input_ids_BT[s:s + 4])
+            (-(lp * batch.loss_mask_BT[s:s + 4]).sum() / tokens).backward()
+        opt.step()
+    tr = PolicyTrainer(tmp, TrainerSpec(zero_stage=1, lr=1e-5, micro_batch_size=4), RLObjective())
+    def ours_step():
+        old, routes = tr.compute_logprobs(batch)
+        b = batch.with_(old_logprobs_BT=old, routed_experts_BTLK=routes, routes_from="trainer")
+        tr.train_step(b)
+
+    res = {}
+    for name, fn in (("bare fwd+bwd+AdamW", bare_step), ("PolicyTrainer.train_step (incl. old-logprob pass)", ours_step)):
+        fn()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        res[name] = tokens * iters / (time.perf_counter() - t0)
+    # the update alone (old logprobs precomputed), the like-for-like comparison
+    old, routes = tr.compute_logprobs(batch)
+    b = batch.with_(old_logprobs_BT=old, routed_experts_BTLK=routes, routes_from="trainer")
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        tr.train_step(b)
+    res["PolicyTrainer.train_step (update only)"] = tokens * iters / (time.perf_counter() - t0)
+    return {"tokens_per_step": tokens, "params": sum(p.numel() for p in bare.parameters()), "tok_per_s": res}
+
+
+def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
+    import numpy as np
+    import ray
+    import torch
+
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+    from rl.weights import export_buckets, unpack_bucket
+
+    torch.manual_seed(0)
+    m = HybridMoeForCausalLM(load_shipped_config(model))
+    named = [(n, p.detach()) for n, p in m.named_parameters()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        t_sync = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            refs = [ray.put(b) for b in export_buckets(m, iter(named), bucket_mb=bucket_mb)]
+            got = [unpack_bucket(ray.get(r)) for r in refs]
+            t_sync.append(time.perf_counter() - t0)
+            del refs, got
+    finally:
+        ray.shutdown()
+    flat = torch.cat([t.reshape(-1) for _, t in named])
+    dst = torch.empty_like(flat)
+    t_cp = []
+    for _ in range(max(reps, 5)):
+        t0 = time.perf_counter()
+        dst.copy_(flat)
+        t_cp.append(time.perf_counter() - t0)
+    sync_bps = nbytes / float(np.median(t_sync))
+    mem_bps = nbytes / float(np.median(t_cp))
+    return {"bytes": nbytes, "sync_GBps": sync_bps / 1e9, "memcpy_GBps": mem_bps / 1e9, "ratio": sync_bps / mem_bps}
+
+
+def bench_breakdown(steps: int) -> dict:
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rl.config import load_config
+    from rl.metrics import read_metrics
+    from rl.train import run
+
+    tmp = Path(tempfile.mkdtemp())
+    c = Qwen3MoeConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                       max_position_embeddings=4096, eos_token_id=3, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(c).save_pretrained(tmp / "m")
+    out = {}
+    for mode in ("false", "true"):
+        run_dir = tmp / f"run_{mode}"
+        cfg = load_config(None, [f"model.arch={tmp / 'm'}", f"run_dir={run_dir}", "envs.weights={terminal: 1.0}",
+                                 "rollout.max_new_tokens_per_turn=64", "envs.max_turns=3", "algorithm.dynamic_sampling=off",
+                                 "trainer.sft_steps=0", "trainer.tasks_per_step=4", f"trainer.steps={steps}",
+                                 f"trainer.async_mode={mode}", "logging.wandb_mode=disabled"])
+        run(cfg)
+        rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]  # first step warms up
+        step = sum(r["time/step_s"] for r in rows) / len(rows)
+        roll = sum(r["time/rollout_s"] for r in rows) / len(rows)
+        ts = sum(r["time/train_and_sync_s"] for r in rows) / len(rows)
+        out["async" if mode == "true" else "sync"] = {"step_s": step, "rollout_s": roll, "train_and_sync_wait_s": ts,
+                                                      "other_s": step - roll - ts}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--breakdown", action="store_true")
+    p.add_argument("--steps", type=int, default=4)
+    a = p.parse_args()
+    ctx = mp.get_context("spawn")  # torch.distributed is process-global: one process per measurement
+    with ctx.Pool(1) as pool:
+        t = pool.apply(bench_trainer, (a.model, a.batch, a.seq, a.iters))
+    print(f"== trainer throughput: {a.model} ({t['params'] / 1e6:.1f}M params), {t['tokens_per_step']} tokens/step")
+    base = t["tok_per_s"]["bare fwd+bwd+AdamW"]
+    for k, v in t["tok_per_s"].items():
+        print(f"  {k:<52} {v:>9.0f} tok/s   {v / base:5.2f}x bare")
+    with ctx.Pool(1) as pool:
+        s = pool.apply(bench_sync, (a.model, 64.0, 5))
+    print(f"== weight sync: {s['bytes'] / 1e6:.1f} MB: export+object store+unpack {s['sync_GBps']:.2f} GB/s vs memcpy "
+          f"{s['memcpy_GBps']:.2f} GB/s = {s['ratio']:.2f}x")
+    if a.breakdown:
+        with ctx.Pool(1) as pool:
+            b = pool.apply(bench_breakdown, (a.steps,))
+        print("== step-time breakdown (mean over steps after the first, seconds)")
+        for mode, r in b.items():
+            print(f"  {mode:<6} step {r['step_s']:.2f}  rollout {r['rollout_s']:.2f}  train+sync wait {r['train_and_sync_wait_s']:.2f}"
+                  f"  other {r['other_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
