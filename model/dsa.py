@@ -214,32 +214,44 @@ class GatedIndexedAttention(nn.Module):
 
     def _attend_masked(self, q_BHTD, k_BHSD, v_BHSD, allowed_BTS, need_output: bool = True):
         """Eager attention over all S keys with a boolean mask; returns (out [B,H,T,D], probs [B,H,T,S]).
-        GQA by broadcasting [B, Hkv, G, T, D] against [B, Hkv, 1, S, D] (no repeated copy of K / V)."""
+        GQA without copying K / V: the G query heads of a KV head are folded into the row dimension."""
         B, H, T, Dh = q_BHTD.shape
         Hkv, G, S = self.num_kv_heads, self.groups, k_BHSD.shape[2]
-        q_BNGTD = q_BHTD.view(B, Hkv, G, T, Dh)
-        logits = (q_BNGTD @ k_BHSD[:, :, None].transpose(-1, -2)) * self.scaling  # [B, Hkv, G, T, S]
+        q_BNRD = q_BHTD.reshape(B, Hkv, G * T, Dh)  # rows ordered (g, t)
+        logits = ((q_BNRD @ k_BHSD.transpose(-1, -2)) * self.scaling).view(B, Hkv, G, T, S)
         logits = logits.masked_fill(~allowed_BTS[:, None, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         probs = torch.nan_to_num(probs, nan=0.0).to(q_BHTD.dtype)  # a fully padded query row attends to nothing
         if not need_output:
             return None, probs.view(B, H, T, S)
         p = F.dropout(probs, p=self.attention_dropout, training=self.training)
-        return (p @ v_BHSD[:, :, None]).view(B, H, T, Dh), probs.view(B, H, T, S)
+        out = p.view(B, Hkv, G * T, S) @ v_BHSD
+        return out.view(B, H, T, Dh), probs.view(B, H, T, S)
 
     def _attend_gathered(self, q_BHTD, k_BHSD, v_BHSD, scores_BTS, visible_BTS):
         """Sparse attention that reads only the k selected keys per query: cost O(T * k) instead of O(T * S)."""
         B, H, T, Dh = q_BHTD.shape
         Hkv, G, K = self.num_kv_heads, self.groups, self.index_topk
-        sel_BTS = topk_selection(scores_BTS, visible_BTS, K)
-        idx_BTK = sel_BTS.to(torch.int8).topk(K, dim=-1).indices  # the (at most K) selected positions, any order
-        valid_BTK = sel_BTS.gather(-1, idx_BTK)
-        gidx = idx_BTK.reshape(B, 1, T * K, 1).expand(B, Hkv, T * K, Dh)
-        k_sel = k_BHSD.gather(2, gidx).view(B, Hkv, T, K, Dh)
-        v_sel = v_BHSD.gather(2, gidx).view(B, Hkv, T, K, Dh)
-        q_BNGTD = q_BHTD.view(B, Hkv, G, T, Dh)
-        logits = torch.einsum("bngtd,bntkd->bngtk", q_BNGTD, k_sel) * self.scaling
-        logits = logits.masked_fill(~valid_BTK[:, None, None], float("-inf"))
+        masked = scores_BTS.masked_fill(~visible_BTS, float("-inf"))
+        vals_BTK, idx_BTK = masked.topk(K, dim=-1)
+        kth = vals_BTK[..., -1:]
+        if bool(((masked == kth).sum(-1) == (vals_BTK == kth).sum(-1)).all()):
+            valid_BTK = vals_BTK > float("-inf")  # no tie straddles the k-th place: topk's set is the selection
+        else:  # resolve ties exactly as `topk_selection` does (most recent first), so decode matches prefill
+            sel_BTS = topk_selection(scores_BTS, visible_BTS, K)
+            idx_BTK = sel_BTS.to(torch.int8).topk(K, dim=-1).indices  # the (at most K) selected positions
+            valid_BTK = sel_BTS.gather(-1, idx_BTK)
+        # Row gather with one index_select over the flattened [B*Hkv*S, D] cache (whole 128-float rows; an
+        # element-wise torch.gather with an expanded index is several times slower).
+        S = k_BHSD.shape[2]
+        base_BN1 = (torch.arange(B * Hkv, device=idx_BTK.device) * S).view(B, Hkv, 1)
+        rows = (base_BN1 + idx_BTK.reshape(B, 1, T * K)).reshape(-1)
+        k_sel = k_BHSD.reshape(B * Hkv * S, Dh).index_select(0, rows).view(B, Hkv, T, K, Dh)
+        v_sel = v_BHSD.reshape(B * Hkv * S, Dh).index_select(0, rows).view(B, Hkv, T, K, Dh)
+        # batched matmuls over (B, Hkv, T); the G query heads of a KV head are the rows
+        q_BNTGD = q_BHTD.view(B, Hkv, G, T, Dh).transpose(2, 3)
+        logits = (q_BNTGD @ k_sel.transpose(-1, -2)) * self.scaling  # [B, Hkv, T, G, K]
+        logits = logits.masked_fill(~valid_BTK[:, None, :, None, :], float("-inf"))
         probs = torch.nan_to_num(torch.softmax(logits, dim=-1, dtype=torch.float32), nan=0.0).to(q_BHTD.dtype)
-        out = torch.einsum("bngtk,bntkd->bngtd", probs, v_sel)
+        out = (probs @ v_sel).transpose(2, 3)  # [B, Hkv, G, T, D]
         return out.reshape(B, H, T, Dh)

@@ -3,7 +3,7 @@
 What it does
 - `/v1/models`, `/v1/chat/completions` (plain and streamed), `/health`, on FastAPI + uvicorn. The
   engine is `rl.rollout.engine.RolloutEngine` in this process; concurrent HTTP requests are
-  submitted to it from worker threads and batch inside vLLM (continuous batching).
+  grouped into engine submits and batch inside vLLM (continuous batching).
 - Prompts are token-in / token-out with the project chat format (`model/chat.py`): messages are
   rendered with `chat.render(..., add_generation_prompt=True)` and tokenised; generation stops at
   `<|im_end|>`; the completion is decoded with special tokens kept and parsed by

@@ -124,7 +124,8 @@ def main() -> None:
         eng.shutdown()
         cmd = [sys.executable, __file__, "--hf-only", str(ckpt), "--new", str(args.new), "--prompt-len", str(args.prompt_len),
                "--batches", *map(str, args.batches)]
-        hf_rates = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_", "KMP_"))}  # vLLM's 1-thread pinning
+        hf_rates = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1])
         rows["hf"] = {int(k): v for k, v in hf_rates.items()}
 
     print(f"\ngenerated tok/s ({args.new} new tokens, prompt {args.prompt_len}, best of 2 after a warm-up):")
@@ -147,6 +148,7 @@ def hf_only(args: argparse.Namespace) -> None:
 
     rs = np.random.RandomState(0)
     prompts = [[int(x) for x in rs.randint(10, 500, size=args.prompt_len)] for _ in range(max(args.batches))]
+    torch.set_num_threads(os.cpu_count() or 1)
     hf = AutoModelForCausalLM.from_pretrained(args.hf_only, dtype=torch.float32).eval()
 
     def gen(b: int) -> int:

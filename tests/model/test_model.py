@@ -52,7 +52,8 @@ def test_auto_classes_and_save_load_round_trip(tmp_path):
     for k in sd:
         assert torch.equal(sd[k], sd2[k]), k
     ids = torch.randint(11, 97, (2, 9))
-    torch.testing.assert_close(m2(ids).logits, m(ids).logits, atol=0, rtol=0)
+    # same weights; loaded tensors may differ in memory layout (fused from per-expert pieces): float-level equality
+    torch.testing.assert_close(m2(ids).logits, m(ids).logits, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("index_topk", [256, 5])
