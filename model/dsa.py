@@ -76,8 +76,10 @@ def lightning_indexer_scores(q_BTHD: torch.Tensor, k_BSD: torch.Tensor, w_BTH: t
     if q_BTHD.dim() != 4 or k_BSD.dim() != 3 or w_BTH.shape != q_BTHD.shape[:3] or k_BSD.shape[-1] != q_BTHD.shape[-1]:
         raise ValueError(f"indexer expects q [B,T,H,D], k [B,S,D], w [B,T,H]; got {tuple(q_BTHD.shape)}, "
                          f"{tuple(k_BSD.shape)}, {tuple(w_BTH.shape)}")
-    logits_BTHS = torch.einsum("bthd,bsd->bths", q_BTHD.float(), k_BSD.float())
-    return torch.einsum("bths,bth->bts", F.relu(logits_BTHS), w_BTH.float())
+    B, T, H, D = q_BTHD.shape
+    logits = torch.bmm(q_BTHD.float().reshape(B, T * H, D), k_BSD.float().transpose(1, 2))  # [B, T*H, S]
+    relu_BTHS = F.relu(logits).view(B, T, H, -1)
+    return torch.matmul(w_BTH.float().unsqueeze(2), relu_BTHS).squeeze(2)  # sum_h w[t,h] * relu[t,h,s]
 
 
 def visible_mask(T: int, S: int, key_padding_BS: torch.Tensor | None, device) -> torch.Tensor:

@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-from .configuration import INDEXED_ATTENTION, LINEAR_ATTENTION, HybridMoeConfig
+from .configuration import LINEAR_ATTENTION, HybridMoeConfig
 from .delta import GatedDeltaNet
 from .dsa import GatedIndexedAttention, RotaryEmbedding
 from .moe import DenseMLP, Experts, MoeLayerRecord, Router, SparseMoeBlock, router_z_loss, switch_aux_loss

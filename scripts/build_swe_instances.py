@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if the set is cached")
+    ap.add_argument("--verify", action="store_true",
+                    help="after building, grade every instance in the bubblewrap sandbox: the reference patch must "
+                         "resolve it and the empty patch must not (needs root)")
     a = ap.parse_args(argv)
     spec = B.SMALL if a.small else B.FULL
     if a.n is not None:
@@ -43,18 +46,59 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(spec, workers=a.workers, seed=a.seed)
     if spec != (B.SMALL if a.small else B.FULL):
         spec = dataclasses.replace(spec, name=f"custom-{spec.name}")
+    rc = 0
     if B.load(spec) is not None and not a.force:
         print(f"already built: {spec.path()}")
         print((spec.path() / "build_report.json").read_text())
-        return 0
-    instances, report = B.build(spec, progress=True)
-    path = B.save(spec, instances, report)
-    print(json.dumps(report, indent=1))
-    print(f"saved {len(instances)} instances to {path}")
-    if len(instances) < spec.n_train + spec.n_heldout:
-        print(f"warning: only {len(instances)} of {spec.n_train + spec.n_heldout} instances found", file=sys.stderr)
-        return 1
-    return 0
+    else:
+        instances, report = B.build(spec, progress=True)
+        path = B.save(spec, instances, report)
+        print(json.dumps(report, indent=1))
+        print(f"saved {len(instances)} instances to {path}")
+        if len(instances) < spec.n_train + spec.n_heldout:
+            print(f"warning: only {len(instances)} of {spec.n_train + spec.n_heldout} instances found", file=sys.stderr)
+            rc = 1
+    if a.verify:
+        rc = verify(B.load(spec) or []) or rc
+    return rc
+
+
+def verify(instances: list[B.Instance]) -> int:
+    """Reference patch resolves, empty patch does not: the grading path, in the sandbox, 2 at a time."""
+    import concurrent.futures
+    import time
+
+    from tqdm import tqdm
+
+    from envs.sandbox.bwrap import BwrapBackend
+    from envs.swe import grader as G
+    from envs.swe import instances as I
+    from envs.swe.tasks import task_of
+
+    backend = BwrapBackend()
+
+    def one(inst: B.Instance) -> str | None:
+        task = task_of(inst)
+        lib = I.task_library(task)
+        start = I.agent_repo(task)
+        lib_files = {p: b for p, b in start.items() if lib.is_library_path(p)}
+        empty = G.verdict(G.run_in_sandbox(backend, lib, I.grading_tree(task, lib_files)), inst.fail_to_pass, inst.pass_to_pass)
+        lib_files[inst.mutation.path] = I.pristine(lib.name)[inst.mutation.path]
+        ref = G.verdict(G.run_in_sandbox(backend, lib, I.grading_tree(task, lib_files)), inst.fail_to_pass, inst.pass_to_pass)
+        if not ref.resolved:
+            return f"{inst.instance_id}: reference patch does not resolve it ({ref})"
+        if empty.resolved or empty.f2p_passed:
+            return f"{inst.instance_id}: the empty patch passes {empty.f2p_passed} FAIL_TO_PASS tests"
+        return None
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        problems = [p for p in tqdm(ex.map(one, instances), total=len(instances), desc="verify") if p]
+    for p in problems:
+        print("FAIL", p)
+    print(f"verified {len(instances)} instances in {time.monotonic() - t0:.0f} s: "
+          f"{len(instances) - len(problems)} ok, {len(problems)} failed")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

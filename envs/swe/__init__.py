@@ -18,8 +18,13 @@ def make_env(*, backend=None, sandbox_limits=None, grade_limits=None, **env_kwar
 
 
 def register() -> None:
+    from pathlib import Path
+
     from envs.registry import register as reg
+    from envs.swe.build import sets_marker
     from envs.swe.tasks import ENV_ID, make_tasks
 
-    reg(ENV_ID, make_env, make_tasks,
+    # The task cache key covers this package's code and the marker a new instance set rewrites.
+    sources = sorted(Path(__file__).parent.glob("*.py")) + [sets_marker()]
+    reg(ENV_ID, make_env, make_tasks, source_files=sources,
         description="fix injected bugs in toolz / cachetools / tabulate / more-itertools; graded by hidden tests")

@@ -369,41 +369,48 @@ def build(spec: BuildSpec, *, progress: bool = False, log=print) -> tuple[list[I
         from tqdm import tqdm
 
         bar = tqdm(total=spec.n_train + spec.n_heldout, desc=f"swe {spec.name}", unit="inst")
+    # Verdicts are appended to a checkpoint as they come, so an interrupted build resumes
+    # (validation is the slow part); candidates are keyed by library version and mutation.
+    ckpt = spec.path().parent / f"{spec.path().name}.progress.jsonl"
+    done = _load_checkpoint(ckpt)
+    if done:
+        log(f"resuming: {len(done)} verdicts from {ckpt}")
     ctx = mp.get_context("fork")
     scratch_parent = tempfile.mkdtemp(prefix="swe-build-")
     pool = ctx.Pool(spec.workers, initializer=_worker_init,
                     initargs=(spec.libraries, bases, str(runtime), str(python), scratch_parent))
     try:
-        i = 0
         chunk_size = 4 * spec.workers
-        while i < len(queue) and any(got[s] < quota[s] for s in quota):
+        remaining = queue
+        while remaining and any(got[s] < quota[s] for s in quota):
+            # Fill a chunk in queue order. A candidate whose quota is already met by accepted
+            # instances is dropped; one blocked only by candidates pending in this chunk waits.
             chunk: list[Candidate] = []
-            pend_fn: Counter = Counter()
+            keep: list[Candidate] = []
             pend: Counter = Counter()
-            pend_lib: Counter = Counter()
-            while i < len(queue) and len(chunk) < chunk_size:
-                c = queue[i]
-                i += 1
+            for c in remaining:
                 fk = function_key(L.get_library(c.library), c.mutation)
-                if (got[c.split] + pend[c.split] >= quota[c.split]
-                        or got_lib[(c.library, c.split)] + pend_lib[(c.library, c.split)] >= per_lib[(c.library, c.split)]
-                        or per_fn[fk] + pend_fn[fk] >= MAX_PER_FUNCTION):
+                lk = (c.library, c.split)
+                if got[c.split] >= quota[c.split] or got_lib[lk] >= per_lib[lk] or per_fn[fk] >= MAX_PER_FUNCTION:
+                    continue
+                if (len(chunk) >= chunk_size or got[c.split] + pend[c.split] >= quota[c.split]
+                        or got_lib[lk] + pend[lk] >= per_lib[lk] or per_fn[fk] + pend[fk] >= MAX_PER_FUNCTION):
+                    keep.append(c)
                     continue
                 chunk.append(c)
-                pend[c.split] += 1
-                pend_lib[(c.library, c.split)] += 1
-                pend_fn[fk] += 1
+                pend.update([c.split, lk, fk])
+            remaining = keep
             if not chunk:
-                continue
-            verdicts = pool.map(validate, chunk, chunksize=1)
-            for c, v in zip(chunk, verdicts):
+                break
+            todo = [c for c in chunk if _ckey(c) not in done]
+            fresh = dict(zip(map(_ckey, todo), pool.map(validate, todo, chunksize=1))) if todo else {}
+            for k, v in fresh.items():
+                _append_checkpoint(ckpt, k, v)
+            for c in chunk:
+                v = fresh.get(_ckey(c)) or done[_ckey(c)]
                 evaluated += 1
                 lib = L.get_library(c.library)
                 fk = function_key(lib, c.mutation)
-                if got[c.split] >= quota[c.split] or got_lib[(c.library, c.split)] >= per_lib[(c.library, c.split)] \
-                        or per_fn[fk] >= MAX_PER_FUNCTION:
-                    reasons["quota_full"] += 1
-                    continue
                 inst = make_instance(c, v, lib, bases[c.library], files[c.library]) if v.reason == "ok" else None
                 if v.reason == "ok" and inst is None:
                     v = dataclasses.replace(v, reason="unhideable")
@@ -432,6 +439,36 @@ def build(spec: BuildSpec, *, progress: bool = False, log=print) -> tuple[list[I
     return accepted, report
 
 
+def _ckey(c: Candidate) -> str:
+    return hashlib.sha256(json.dumps([L.get_library(c.library).key, dataclasses.asdict(c.mutation)],
+                                     sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _append_checkpoint(path: Path, key: str, v: Verdict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = {"key": key, "reason": v.reason, "fail_to_pass": list(v.fail_to_pass), "suite_s": v.suite_s,
+           "failures": {k: dataclasses.asdict(f) for k, f in v.failures.items()},
+           "locations": {k: list(loc) for k, loc in v.locations.items()}}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _load_checkpoint(path: Path) -> dict[str, Verdict]:
+    out: dict[str, Verdict] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:  # a line cut by an interrupted write
+            continue
+        out[r["key"]] = Verdict(r["reason"], tuple(r["fail_to_pass"]),
+                                {k: Failure(message=f["message"], frames=tuple(tuple(x) for x in f["frames"]),
+                                            when=f.get("when", "call")) for k, f in r["failures"].items()},
+                                {k: (v[0], int(v[1])) for k, v in r["locations"].items()}, float(r["suite_s"]))
+    return out
+
+
 # ----------------------------------------------------------------------------- the cached dataset
 def save(spec: BuildSpec, instances: Sequence[Instance], report: Mapping[str, Any]) -> Path:
     import datasets
@@ -448,7 +485,18 @@ def save(spec: BuildSpec, instances: Sequence[Instance], report: Mapping[str, An
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    sets_marker().write_text(f"{path.name} {time.time():.0f}\n")
     return path
+
+
+def sets_marker() -> Path:
+    """A file rewritten whenever an instance set is saved. It is one of the registry's source
+    files for swe-v0, so `envs.tasks("swe-v0", ...)` caches are invalidated by a new build."""
+    p = L.cache_root() / "instances" / "LAST_SAVED"
+    if not p.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("")
+    return p
 
 
 def load(spec: BuildSpec) -> list[Instance] | None:

