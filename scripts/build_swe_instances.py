@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", action="store_true",
                     help="after building, grade every instance in the bubblewrap sandbox: the reference patch must "
                          "resolve it and the empty patch must not (needs root)")
+    ap.add_argument("--verify-sample", type=int, default=None, metavar="K",
+                    help="verify only K instances drawn at random (seeded), e.g. for a quick check of a full set")
     a = ap.parse_args(argv)
     spec = B.SMALL if a.small else B.FULL
     if a.n is not None:
@@ -58,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         if len(instances) < spec.n_train + spec.n_heldout:
             print(f"warning: only {len(instances)} of {spec.n_train + spec.n_heldout} instances found", file=sys.stderr)
             rc = 1
-    if a.verify:
-        rc = verify(B.load(spec) or []) or rc
+    if a.verify or a.verify_sample:
+        insts = B.load(spec) or []
+        if a.verify_sample is not None and a.verify_sample < len(insts):
+            import random
+
+            insts = random.Random(0).sample(insts, a.verify_sample)
+        rc = verify(insts) or rc
     return rc
 
 

@@ -102,6 +102,8 @@ class PolicyTrainer:
         self.model_dir = str(model_dir)
         module = load_policy(model_dir, spec.dtype)
         self.replay_supported = supports_routing_replay(module)
+        if hasattr(module.config, "freeze_expert_bias"):  # RL practice: the aux-free selection bias stays put
+            module.config.freeze_expert_bias = spec.freeze_router_bias
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = {
@@ -219,6 +221,7 @@ class PolicyTrainer:
             n_mb += 1
         self.engine.step()
         grad_norm = self._grad_norm()
+        self._expert_bias_step()
         self.step_count += 1
         self.version += 1
         if tele is not None:
@@ -259,6 +262,19 @@ class PolicyTrainer:
         self.step_count += 1
         self.version += 1
         return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm}
+
+    def _expert_bias_step(self) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): move each expert's selection bias by the sign of its
+        load error, from the loads summed over all data-parallel ranks. No-op when frozen."""
+        m = self.module
+        if not hasattr(m, "update_expert_bias"):
+            return
+        loads = m.accumulated_expert_load()
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(loads)
+        m.update_expert_bias(loads=loads)
 
     def _moe_telemetry(self):
         cfg = self.module.config
