@@ -282,10 +282,14 @@ class Runtime:
         ray.get(self.trainer.set_lr.remote(self.cfg.trainer.sft_lr))
         m: dict[str, float] = {}
         bs = max(1, self.cfg.trainer.micro_batch_size)
-        for _ in progress(range(steps), desc="sft", total=steps):
-            chosen = rng.sample(eps, min(bs, len(eps)))
-            batch = self._batch(chosen, [0.0] * len(chosen))
-            m = ray.get(self.trainer.sft_step.remote(batch))
+        bar = progress(range(steps), desc="sft", total=steps)
+        with open(self.run_dir / "sft_metrics.jsonl", "a", encoding="utf-8") as f:
+            for i in bar:
+                chosen = rng.sample(eps, min(bs, len(eps)))
+                batch = self._batch(chosen, [0.0] * len(chosen))
+                m = ray.get(self.trainer.sft_step.remote(batch))
+                f.write(json.dumps({"sft_step": i, **m}) + "\n")
+                bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
         ray.get(self.trainer.set_lr.remote(self.cfg.trainer.lr))
         self.policy_version = ray.get(self.trainer.version.remote())
         return {**m, "sft/trajectories": float(len(eps))}

@@ -10,19 +10,46 @@ and tested against what `save_pretrained` writes.
 Bucketing keeps every "unit" (everything under one decoder layer `...layers.N.`; any other tensor on
 its own) inside one bucket: vLLM fuses q/k/v, gate/up and all experts of a layer into single
 parameters, so each bucket can be loaded by a separate in-place reload without leaving a fused
-parameter half-written. Buckets are serialised with safetensors (bytes that cross Ray's object
-store or a socket unchanged).
+parameter half-written.
 
-What this module does not do: send anything (the rollout worker / dispatcher do), quantise
-(MXFP4 sync formats live with the trainer), or handle tensor-parallel shards.
+Wire format (why it looks like this): a `WeightBucket` is a few flat uint8 numpy buffers plus a small
+index (`TensorEntry`: name, encoding, dtype, shape, byte ranges). Ray serialises numpy buffers out of
+band (pickle protocol 5): `ray.put` copies each buffer once into the object store and `ray.get`
+returns read-only views of shared memory, so the receiving side builds its tensors with
+`torch.frombuffer`, without a copy. The earlier safetensors encoding copied the weights four times
+(serialise to bytes, object store, `bytes(...)`, deserialise) into freshly allocated memory, and on
+this machine (a Firecracker VM) first-touch page faults make fresh memory ~7x slower to write than
+warm memory (docs/rollout.md, "Weight sync formats and speed"). Per-expert checkpoint tensors are
+byte ranges of their fused source tensor (one expert's rows of a contiguous [E, R, C] tensor are
+contiguous), so splitting experts costs nothing.
+
+Two ways to build a bucket:
+- `copy=True` (default): the bucket owns one flat buffer per bucket (a snapshot; one gather copy).
+- `copy=False`: buffers alias the source tensors wherever no cast is needed (zero copies here; the
+  one copy happens in `ray.put`). Only valid while the source is unchanged: the trainer actor puts
+  its buckets into the object store before returning, which is what makes this safe there.
+
+Sync formats (`fmt`): "keep" (as the trainer holds them), "fp32", "bf16", and "mxfp4", which follows
+`model.mxfp4_export.pack_for_sync`: expert weights go as OCP MXFP4 blocks + E8M0 scales (4.25 bits
+per weight), everything else (routers, norms, embeddings, attention) in `mxfp4_rest` precision. The
+receiver dequantizes (`unpack_bucket(..., dequant_dtype=...)`), because vLLM's loaders do not take
+MXFP4 for these architectures.
+
+What this module does not do: send anything (the rollout worker / dispatcher do), load anything into
+an engine (rl/rollout/engine.py), or handle tensor-parallel shards.
 """
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Sequence
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from model.mxfp4_export import SyncBytes
 
 # model_type -> expert naming family. Families: "qwen2_moe" (gate_proj/up_proj/down_proj),
 # "mixtral" (w1 = gate, w3 = up, w2 = down). transformers' own conversion_mapping.py groups model
@@ -47,22 +74,142 @@ _RENAMES = {"mixtral": ((re.compile(r"\.mlp\.(gate|experts)(?=\.|$)"), r".block_
 _FUSED_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _LAYER_RE = re.compile(r"^(?P<unit>.*?\.layers\.\d+)\.")
 
+SyncFormat = Literal["keep", "fp32", "bf16", "mxfp4"]
+SYNC_FORMATS: tuple[str, ...] = ("keep", "fp32", "bf16", "mxfp4")
+Encoding = Literal["raw", "mxfp4"]
+_ALIGN = 64  # byte alignment of each part inside a flat buffer: any dtype view is aligned, SIMD-friendly
+_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
 
 class WeightSyncError(ValueError):
-    """A state dict that cannot be converted or bucketed; the message names the tensor."""
+    """A state dict that cannot be converted, bucketed or decoded; the message names the tensor."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPE_NAMES:
+        raise WeightSyncError(f"unsupported wire dtype {name!r}; known: {_DTYPE_NAMES}")
+    return getattr(torch, name)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    name = str(dt).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise WeightSyncError(f"cannot send a tensor of dtype {name}; supported: {_DTYPE_NAMES}")
+    return name
+
+
+# ----------------------------------------------------------------------------- typed wire records
+@dataclass(frozen=True)
+class Segment:
+    """A byte range of one of a bucket's buffers."""
+
+    buffer: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One checkpoint tensor in a bucket.
+
+    encoding "raw": parts = (data,), the tensor's bytes in `dtype`, C order, `shape`.
+    encoding "mxfp4": parts = (blocks uint8 [*shape[:-1], G, 16], scales uint8 [*shape[:-1], G]),
+    G = shape[-1] / 32 (model/mxfp4.py layout); `dtype` is the dtype the trainer quantized from,
+    the default dtype to dequantize to.
+    """
+
+    name: str
+    encoding: Encoding
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
 
 @dataclass(frozen=True)
 class WeightBucket:
-    """One serialised shard of a weight sync: safetensors bytes plus accounting."""
+    """One shard of a weight sync: flat uint8 buffers plus the index of the tensors they hold.
 
-    names: tuple[str, ...]
-    num_bytes: int  # tensor payload bytes (excludes the safetensors header)
-    payload: bytes
+    Crosses Ray's object store as numpy buffers (zero-copy on the receiving side). `num_bytes` is
+    the tensor payload moved (the wire bytes); the index itself is a few hundred bytes per tensor.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    buffers: tuple[np.ndarray, ...]
+
+    def __post_init__(self) -> None:
+        for i, b in enumerate(self.buffers):
+            if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or b.ndim != 1 or not b.flags.c_contiguous:
+                raise WeightSyncError(f"WeightBucket buffer {i}: expected a 1-D contiguous uint8 numpy array, got "
+                                      f"{type(b).__name__} {getattr(b, 'dtype', '')} {getattr(b, 'shape', '')}")
+        for e in self.entries:
+            want = 1 if e.encoding == "raw" else 2
+            if e.encoding not in ("raw", "mxfp4") or len(e.parts) != want:
+                raise WeightSyncError(f"{e.name}: encoding {e.encoding!r} with {len(e.parts)} parts (raw needs 1, mxfp4 2)")
+            for p in e.parts:
+                if not 0 <= p.buffer < len(self.buffers) or p.offset < 0 or p.offset + p.nbytes > self.buffers[p.buffer].size:
+                    raise WeightSyncError(f"{e.name}: segment {p} outside the bucket's buffers")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.entries)
 
 
+# ----------------------------------------------------------------------------- naming
 def expert_family(model_type: str) -> str:
     return _FAMILY.get(model_type, "qwen2_moe")
+
+
+def _checkpoint_views(name: str, shape: tuple[int, ...], model_type: str) -> list[tuple[str, tuple]]:
+    """Checkpoint (name, index into the source's leading dims) for one in-memory tensor.
+
+    Fused experts split per expert: gate_up_proj [E, 2I, H] -> gate = [e, :I], up = [e, I:];
+    down_proj [E, H, I] -> down = [e]. Indices only touch the two leading dims, so they apply equally
+    to the float tensor and to its MXFP4 blocks [E, R, G, 16] / scales [E, R, G].
+    """
+    family = expert_family(model_type)
+    gate_n, up_n, down_n = _NAMES[family]
+
+    def rename(n: str) -> str:
+        for pattern, repl in _RENAMES[family]:
+            n = pattern.sub(repl, n)
+        return n
+
+    m = _FUSED_RE.match(name)
+    if m is None:
+        return [(rename(name), ())]
+    prefix, kind = m.group("prefix"), m.group("kind")
+    if len(shape) != 3:
+        raise WeightSyncError(f"{name}: expected a fused 3-D expert tensor [E, ., .], got shape {shape}")
+    out: list[tuple[str, tuple]] = []
+    if kind == "gate_up_proj":
+        if shape[1] % 2:
+            raise WeightSyncError(f"{name}: dim 1 ({shape[1]}) must be 2 x moe_intermediate_size")
+        inter = shape[1] // 2
+        for e in range(shape[0]):
+            out.append((rename(f"{prefix}.{e}.{gate_n}.weight"), (e, slice(0, inter))))
+            out.append((rename(f"{prefix}.{e}.{up_n}.weight"), (e, slice(inter, 2 * inter))))
+    else:
+        out = [(rename(f"{prefix}.{e}.{down_n}.weight"), (e,)) for e in range(shape[0])]
+    return out
 
 
 def to_checkpoint_format(
@@ -77,43 +224,19 @@ def to_checkpoint_format(
     Fused experts are split per expert: gate_up_proj [E, 2I, H] -> gate [I, H] = rows [:I],
     up [I, H] = rows [I:]; down_proj [E, H, I] -> down [H, I]. Other tensors keep their names.
     With tied embeddings `lm_head.weight` is dropped (save_pretrained does not write it).
-    Tensors are detached, made contiguous and optionally cast to `dtype`; views are fine (no copy
-    unless needed).
+    Floating tensors are optionally cast to `dtype` (once per source tensor, before splitting);
+    outputs are detached views wherever possible (no copy unless needed).
     """
-    family = expert_family(model_type)
-    gate_n, up_n, down_n = _NAMES[family]
-    renames = _RENAMES[family]
     out: dict[str, torch.Tensor] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        for pattern, repl in renames:
-            name = pattern.sub(repl, name)
-        t = t.detach()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        out[name] = t.contiguous()
-
     for name, t in state_dict.items():
         if tie_word_embeddings and name == "lm_head.weight":
             continue
-        m = _FUSED_RE.match(name)
-        if m is None:
-            put(name, t)
-            continue
-        prefix, kind = m.group("prefix"), m.group("kind")
-        if t.dim() != 3:
-            raise WeightSyncError(f"{name}: expected a fused 3-D expert tensor [E, ., .], got shape {tuple(t.shape)}")
-        num_experts = t.shape[0]
-        if kind == "gate_up_proj":
-            if t.shape[1] % 2:
-                raise WeightSyncError(f"{name}: dim 1 ({t.shape[1]}) must be 2 x moe_intermediate_size")
-            inter = t.shape[1] // 2
-            for e in range(num_experts):
-                put(f"{prefix}.{e}.{gate_n}.weight", t[e, :inter])
-                put(f"{prefix}.{e}.{up_n}.weight", t[e, inter:])
-        else:
-            for e in range(num_experts):
-                put(f"{prefix}.{e}.{down_n}.weight", t[e])
+        t = t.detach()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        t = t.contiguous()
+        for ckpt_name, idx in _checkpoint_views(name, tuple(t.shape), model_type):
+            out[ckpt_name] = t[idx] if idx else t
     return out
 
 
@@ -123,12 +246,16 @@ def unit_of(name: str) -> str:
     return m.group("unit") if m else name
 
 
-def plan_buckets(named: Mapping[str, torch.Tensor], bucket_mb: float) -> list[list[str]]:
-    """Group tensor names into buckets of about `bucket_mb` MB, never splitting a unit.
+def tensor_bytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * t.element_size()
 
-    A unit bigger than the bucket size gets a bucket of its own (it cannot be split).
-    Order follows the state dict's order (layer by layer), which is what vLLM's layerwise reload
-    handles with least buffering.
+
+def plan_buckets(named: Mapping[str, torch.Tensor | int], bucket_mb: float) -> list[list[str]]:
+    """Group names into buckets of about `bucket_mb` MB, never splitting a unit.
+
+    Values are tensors or byte counts. A unit bigger than the bucket size gets a bucket of its own
+    (it cannot be split). Order follows the mapping's order (layer by layer), which is what vLLM's
+    layerwise reload handles with least buffering.
     """
     if bucket_mb <= 0:
         raise WeightSyncError(f"bucket_mb must be > 0, got {bucket_mb}")
@@ -140,7 +267,7 @@ def plan_buckets(named: Mapping[str, torch.Tensor], bucket_mb: float) -> list[li
     cur: list[str] = []
     cur_bytes = 0
     for names in units.values():
-        ub = sum(tensor_bytes(named[n]) for n in names)
+        ub = sum(v if isinstance(v, int) else tensor_bytes(v) for v in (named[n] for n in names))
         if cur and cur_bytes + ub > limit:
             buckets.append(cur)
             cur, cur_bytes = [], 0
@@ -151,27 +278,109 @@ def plan_buckets(named: Mapping[str, torch.Tensor], bucket_mb: float) -> list[li
     return buckets
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    return int(t.numel()) * t.element_size()
+# ----------------------------------------------------------------------------- encoding
+@dataclass(frozen=True)
+class _Source:
+    """One trainer tensor, encoded for the wire: its parts (contiguous) and checkpoint views into them."""
+
+    name: str
+    encoding: Encoding
+    dtype: str  # raw: wire dtype; mxfp4: the trainer's dtype
+    parts: tuple[torch.Tensor, ...]  # raw: (data,); mxfp4: (blocks, scales)
+    views: tuple[tuple[str, tuple], ...]  # (checkpoint name, leading-dim index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(p) for p in self.parts)
 
 
-def pack_bucket(tensors: Mapping[str, torch.Tensor]) -> WeightBucket:
-    from safetensors.torch import save
+def _encode(name: str, t: torch.Tensor, model_type: str, fmt: str, mxfp4_rest: str) -> _Source:
+    t = t.detach()
+    views = tuple(_checkpoint_views(name, tuple(t.shape), model_type))  # validates fused shapes first
+    if fmt == "mxfp4":
+        from model.mxfp4_export import pack_for_sync  # lazy: `import model` costs seconds (transformers)
 
-    payload = save({n: t.contiguous() for n, t in tensors.items()})
-    return WeightBucket(names=tuple(tensors), num_bytes=sum(tensor_bytes(t) for t in tensors.values()), payload=payload)
+        p = pack_for_sync(name, t, "mxfp4", include="experts", fallback=mxfp4_rest)  # type: ignore[arg-type]
+        if p.fmt == "mxfp4":
+            assert p.blocks is not None and p.scales is not None
+            return _Source(name, "mxfp4", p.dtype, (p.blocks.contiguous(), p.scales.contiguous()), views)
+        assert p.data is not None
+        data = p.data
+    elif fmt in ("fp32", "bf16") and t.is_floating_point():
+        target = torch.float32 if fmt == "fp32" else torch.bfloat16
+        data = t if t.dtype == target else t.to(target)
+    else:  # "keep", and integer buffers under any format
+        data = t
+    data = data.cpu().contiguous()
+    return _Source(name, "raw", _dtype_name(data.dtype), (data,), views)
 
 
-def unpack_bucket(bucket: WeightBucket | bytes) -> list[tuple[str, torch.Tensor]]:
-    """Deserialise a bucket into (name, tensor) pairs in the bucket's original order."""
-    from safetensors.torch import load
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
 
-    payload = bucket.payload if isinstance(bucket, WeightBucket) else bucket
-    if not isinstance(payload, (bytes, bytearray)):
-        raise WeightSyncError(f"unpack_bucket: expected safetensors bytes or a WeightBucket, got {type(bucket).__name__}")
-    loaded = load(bytes(payload))
-    order = bucket.names if isinstance(bucket, WeightBucket) else tuple(loaded)
-    return [(n, loaded[n]) for n in order]
+
+def _segment(part: torch.Tensor, idx: tuple, buffer: int, base: int) -> Segment:
+    """Byte range of part[idx] inside a buffer where `part` starts at byte `base`."""
+    v = part[idx] if idx else part
+    if not v.is_contiguous():  # cannot happen for leading-dim indices of a contiguous tensor
+        raise WeightSyncError(f"internal: view {idx} of a {tuple(part.shape)} tensor is not contiguous")
+    off = (v.storage_offset() - part.storage_offset()) * part.element_size()
+    return Segment(buffer=buffer, offset=base + off, nbytes=tensor_bytes(v))
+
+
+def _entry_shape(src: _Source, idx: tuple) -> tuple[int, ...]:
+    if src.encoding == "raw":
+        p = src.parts[0]
+        return tuple((p[idx] if idx else p).shape)
+    s = src.parts[1]
+    lead_g = tuple((s[idx] if idx else s).shape)
+    from model.mxfp4 import BLOCK_SIZE
+
+    return (*lead_g[:-1], lead_g[-1] * BLOCK_SIZE)
+
+
+def _pack_sources(sources: Sequence[_Source], copy: bool) -> WeightBucket:
+    entries: list[TensorEntry] = []
+    if copy:
+        # One flat buffer: every part gathered once (casts already happened in _encode).
+        bases: list[list[int]] = []
+        total = 0
+        for src in sources:
+            bases.append([])
+            for p in src.parts:
+                bases[-1].append(total)
+                total += -(-tensor_bytes(p) // _ALIGN) * _ALIGN
+        buf = np.empty(total, dtype=np.uint8)
+        flat_u8 = torch.from_numpy(buf)
+        for src, bs in zip(sources, bases):
+            for p, base in zip(src.parts, bs):
+                if p.numel():
+                    flat_u8[base:base + tensor_bytes(p)].copy_(torch.from_numpy(_as_bytes(p)))
+        buffers: tuple[np.ndarray, ...] = (buf,)
+        for src, bs in zip(sources, bases):
+            for ckpt_name, idx in src.views:
+                segs = tuple(_segment(p, idx, 0, b) for p, b in zip(src.parts, bs))
+                entries.append(TensorEntry(ckpt_name, src.encoding, src.dtype, _entry_shape(src, idx), segs))
+    else:
+        # One buffer per part, aliasing the part's memory: ray.put does the only copy.
+        bufs: list[np.ndarray] = []
+        for src in sources:
+            first = len(bufs)
+            bufs.extend(_as_bytes(p) for p in src.parts)
+            for ckpt_name, idx in src.views:
+                segs = tuple(_segment(p, idx, first + k, 0) for k, p in enumerate(src.parts))
+                entries.append(TensorEntry(ckpt_name, src.encoding, src.dtype, _entry_shape(src, idx), segs))
+        buffers = tuple(bufs)
+    return WeightBucket(entries=tuple(entries), buffers=buffers)
+
+
+def pack_bucket(tensors: Mapping[str, torch.Tensor], *, copy: bool = True) -> WeightBucket:
+    """Checkpoint-named tensors as one bucket, raw encoding, names and dtypes unchanged."""
+    return _pack_sources([_Source(n, "raw", _dtype_name(t.dtype), (t.detach().cpu().contiguous(),), ((n, ()),))
+                          for n, t in tensors.items()], copy)
 
 
 def make_buckets(
@@ -180,18 +389,132 @@ def make_buckets(
     bucket_mb: float = 64.0,
     *,
     tie_word_embeddings: bool = False,
-    dtype: torch.dtype | None = None,
+    fmt: str = "keep",
+    mxfp4_rest: str = "fp32",
+    copy: bool = True,
 ) -> list[WeightBucket]:
-    """Trainer state dict -> checkpoint-format, unit-preserving, serialised buckets."""
-    ckpt = to_checkpoint_format(state_dict, model_type, tie_word_embeddings=tie_word_embeddings, dtype=dtype)
-    return [pack_bucket({n: ckpt[n] for n in names}) for names in plan_buckets(ckpt, bucket_mb)]
+    """Trainer (in-memory) state dict -> checkpoint-format, unit-preserving buckets in sync format `fmt`.
+
+    `fmt`: "keep" | "fp32" | "bf16" | "mxfp4" (experts as MXFP4, the rest in `mxfp4_rest`, "fp32" or
+    "bf16"). `copy=False` lets buffers alias `state_dict`'s memory (see the module docstring).
+    """
+    if fmt not in SYNC_FORMATS:
+        raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {SYNC_FORMATS}")
+    if mxfp4_rest not in ("fp32", "bf16"):
+        raise WeightSyncError(f"mxfp4_rest must be 'fp32' or 'bf16', got {mxfp4_rest!r}")
+    sources: dict[str, _Source] = {}
+    for name, t in state_dict.items():
+        if tie_word_embeddings and name == "lm_head.weight":
+            continue
+        sources[name] = _encode(name, t, model_type, fmt, mxfp4_rest)
+    plan = plan_buckets({n: s.nbytes for n, s in sources.items()}, bucket_mb)
+    return [_pack_sources([sources[n] for n in names], copy) for names in plan]
 
 
 def total_bytes(buckets: Iterable[WeightBucket]) -> int:
     return sum(b.num_bytes for b in buckets)
 
 
-_SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+def sync_bytes(buckets: Iterable[WeightBucket]) -> "SyncBytes":
+    """Bytes moved by a sync and what the same tensors would cost as bf16 / fp32 (model.mxfp4_export.SyncBytes)."""
+    from model.mxfp4_export import SyncBytes
+
+    sent = numel = n = nq = 0
+    for b in buckets:
+        for e in b.entries:
+            sent += e.nbytes
+            numel += e.numel
+            n += 1
+            nq += e.encoding == "mxfp4"
+    return SyncBytes(sent=sent, bf16=2 * numel, fp32=4 * numel, n_tensors=n, n_mxfp4=nq)
+
+
+# ----------------------------------------------------------------------------- decoding
+def _u8_view(buf: np.ndarray) -> torch.Tensor:
+    # Buffers from ray.get are read-only views of shared memory; torch warns that it cannot mark a
+    # tensor read-only. The tensors are only read (vLLM's loader copies them into its parameters).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8) if buf.size else torch.empty(0, dtype=torch.uint8)
+
+
+def _raw_view(u8: list[torch.Tensor], seg: Segment, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if seg.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return u8[seg.buffer][seg.offset:seg.offset + seg.nbytes].view(dtype).view(shape)
+
+
+def unpack_bucket(bucket: WeightBucket | bytes, dequant_dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as (checkpoint name, tensor) pairs, in order.
+
+    Raw tensors are zero-copy views of the bucket's buffers in their wire dtype (read-only when the
+    buffers came from Ray: do not write into them). MXFP4 tensors are dequantized to `dequant_dtype`
+    (default: the trainer's dtype), consecutive entries of one fused source in a single call.
+    `bytes` are read as a safetensors blob (e.g. a bucket saved to disk).
+    """
+    if isinstance(bucket, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        loaded = load(bytes(bucket))
+        return list(loaded.items())
+    if not isinstance(bucket, WeightBucket):
+        raise WeightSyncError(f"unpack_bucket: expected a WeightBucket or safetensors bytes, got {type(bucket).__name__}")
+    u8 = [_u8_view(b) for b in bucket.buffers]
+    out: list[tuple[str, torch.Tensor] | None] = [None] * len(bucket.entries)
+    run: list[int] = []  # indices of consecutive mxfp4 entries with adjacent blocks and scales
+
+    def flush() -> None:
+        if run:
+            _dequantize_run(bucket, u8, run, dequant_dtype, out)
+            run.clear()
+
+    for i, e in enumerate(bucket.entries):
+        if e.encoding == "raw":
+            flush()
+            out[i] = (e.name, _raw_view(u8, e.parts[0], _dtype(e.dtype), e.shape))
+            continue
+        if run:
+            p = bucket.entries[run[-1]]
+            adjacent = all(a.buffer == b.buffer and a.offset + a.nbytes == b.offset for a, b in zip(p.parts, e.parts))
+            if not (adjacent and p.shape[-1] == e.shape[-1] and p.dtype == e.dtype):
+                flush()
+        run.append(i)
+    flush()
+    return out  # type: ignore[return-value]
+
+
+def _dequantize_run(bucket: WeightBucket, u8: list[torch.Tensor], run: list[int], dtype: torch.dtype | None,
+                    out: list) -> None:
+    """Dequantize entries whose blocks (and scales) are back to back as one [rows, K] matrix, then split rows."""
+    from model.mxfp4 import BLOCK_SIZE, MXFP4Error, dequantize_mxfp4
+
+    first = bucket.entries[run[0]]
+    k = first.shape[-1]
+    if k % BLOCK_SIZE:
+        raise WeightSyncError(f"{first.name}: mxfp4 entry with last dim {k}, not a multiple of {BLOCK_SIZE}")
+    g = k // BLOCK_SIZE
+    rows = [bucket.entries[i].numel // k for i in run]
+    bseg, sseg = first.parts
+    n_rows = sum(rows)
+    if sum(bucket.entries[i].parts[0].nbytes for i in run) != n_rows * g * (BLOCK_SIZE // 2) or \
+            sum(bucket.entries[i].parts[1].nbytes for i in run) != n_rows * g:
+        raise WeightSyncError(f"{first.name}: mxfp4 blocks/scales sizes do not match shape {first.shape}")
+    blocks = u8[bseg.buffer][bseg.offset:bseg.offset + n_rows * g * (BLOCK_SIZE // 2)].view(n_rows, g, BLOCK_SIZE // 2)
+    scales = u8[sseg.buffer][sseg.offset:sseg.offset + n_rows * g].view(n_rows, g)
+    want = dtype or _dtype(first.dtype)
+    try:
+        dense = dequantize_mxfp4(blocks, scales, dtype=want)  # [n_rows, K], freshly allocated
+    except MXFP4Error as err:
+        raise WeightSyncError(f"{first.name}: {err}") from err
+    r0 = 0
+    for i, r in zip(run, rows):
+        e = bucket.entries[i]
+        out[i] = (e.name, dense[r0:r0 + r].view(e.shape))
+        r0 += r
+
+
+# ----------------------------------------------------------------------------- trainer entry point
+_SYNC_FORMATS_TRAINER = ("fp32", "bf16", "mxfp4")
 
 
 def export_buckets(
@@ -199,26 +522,33 @@ def export_buckets(
     named_weights: Iterable[tuple[str, torch.Tensor]],
     bucket_mb: float = 64.0,
     fmt: str = "fp32",
+    *,
+    copy: bool = True,
+    mxfp4_rest: str = "fp32",
 ) -> list[WeightBucket]:
     """What a trainer sends to rollout engines: its (gathered, CPU) weights as checkpoint-format buckets.
 
     `module` supplies the config (model_type, tied embeddings) and the set of persistent names:
     non-persistent buffers (e.g. rotary `inv_freq`) are not part of a checkpoint and are dropped.
-    `fmt`: "fp32" or "bf16" (cast before sending). MXFP4 sync is not supported by vLLM's loaders for
-    these architectures and is refused.
+    `fmt` = `trainer.sync_format`: "fp32", "bf16" (cast before sending) or "mxfp4" (experts as
+    MXFP4, the rest in `mxfp4_rest`; the worker dequantizes to the engine's dtype).
+    `copy=False`: buckets alias the weights (the caller must serialise them before the weights change).
     """
-    if fmt not in _SYNC_DTYPES:
-        raise WeightSyncError(f"sync format {fmt!r} is not supported here; use one of {sorted(_SYNC_DTYPES)}")
+    if fmt not in _SYNC_FORMATS_TRAINER:
+        raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {_SYNC_FORMATS_TRAINER}")
     cfg = getattr(module, "config", None)
     if cfg is None:
         raise WeightSyncError(f"export_buckets: {type(module).__name__} has no .config (need model_type / tie_word_embeddings)")
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     persistent = set(module.state_dict().keys())
     kept = {n: t for n, t in named_weights if n in persistent}
-    return make_buckets(
-        kept,
-        cfg.model_type,
-        bucket_mb,
-        tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
-        dtype=_SYNC_DTYPES[fmt],
-    )
+    return make_buckets(kept, cfg.model_type, bucket_mb, tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
+                        fmt=fmt, mxfp4_rest=mxfp4_rest, copy=copy)
+
+
+def engine_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of an engine dtype string ('float32', 'bfloat16', ...; None/'auto' -> None)."""
+    if name in (None, "auto"):
+        return None
+    return _dtype(str(name))
+

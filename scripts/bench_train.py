@@ -4,13 +4,13 @@
 1. Trainer tokens/s: `PolicyTrainer.train_step` (DeepSpeed engine, RL objective, R2 routing replay,
    micro-batching) vs a bare forward + backward + AdamW step of the same model on the same batch.
    Goal >= 0.85x.
-2. Weight-sync bytes/s: export to checkpoint-named safetensors buckets -> Ray object store ->
-   unpack (what a rollout worker receives), vs this machine's memcpy bandwidth on the same bytes.
-   Goal >= 50%.
+2. Weight-sync bytes/s: export to checkpoint-named buckets -> Ray object store -> unpack (what a
+   rollout worker hands to vLLM), per sync format and against the previous safetensors encoding,
+   vs this machine's memcpy bandwidth on the same bytes. Goal >= 0.5x. `--sync-only` runs just this.
 3. (--breakdown) Step-time breakdown (rollout / train+sync / other) of the real driver loop, sync
    vs async mode, on a tiny Qwen3-MoE over the terminal domain. Starts vLLM + DeepSpeed twice.
 
-    .venv/bin/python scripts/bench_train.py [--model tiny|small] [--breakdown]
+    .venv/bin/python scripts/bench_train.py [--model tiny|small] [--breakdown] [--sync-only]
 """
 from __future__ import annotations
 
@@ -97,39 +97,78 @@ def bench_trainer(model: str, B: int, T: int, iters: int) -> dict:
 
 
 def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
+    """Trainer weights -> buckets -> Ray object store -> what a rollout worker hands to vLLM, per sync format.
+
+    All variants and both memcpy baselines run interleaved, rep by rep, and report medians: on this
+    shared machine the load changes within seconds, so timing variants one after another would
+    compare different machines. Not included: vLLM's own copy into its parameters (same for all).
+    """
     import numpy as np
     import ray
     import torch
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
 
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
-    from rl.weights import export_buckets, unpack_bucket
+    from rl.weights import export_buckets, sync_bytes, to_checkpoint_format, unpack_bucket
 
     torch.manual_seed(0)
     m = HybridMoeForCausalLM(load_shipped_config(model))
     named = [(n, p.detach()) for n, p in m.named_parameters()]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        t_sync = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            refs = [ray.put(b) for b in export_buckets(m, iter(named), bucket_mb=bucket_mb)]
-            got = [unpack_bucket(ray.get(r)) for r in refs]
-            t_sync.append(time.perf_counter() - t0)
-            del refs, got
-    finally:
-        ray.shutdown()
+
+    def legacy():  # the previous wire format: safetensors bytes per bucket (one bucket here), re-implemented for comparison
+        ck = to_checkpoint_format(dict(named), m.config.model_type)
+        got = ray.get(ray.put(st_save(ck)))
+        return list(st_load(bytes(got)).items())
+
+    def ours(fmt: str, copy: bool):
+        def run():
+            refs = [ray.put(b) for b in export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt, copy=copy)]
+            return [unpack_bucket(ray.get(r), dequant_dtype=torch.float32) for r in refs]
+        return run
+
     flat = torch.cat([t.reshape(-1) for _, t in named])
     dst = torch.empty_like(flat)
-    t_cp = []
-    for _ in range(max(reps, 5)):
-        t0 = time.perf_counter()
-        dst.copy_(flat)
-        t_cp.append(time.perf_counter() - t0)
-    sync_bps = nbytes / float(np.median(t_sync))
-    mem_bps = nbytes / float(np.median(t_cp))
-    return {"bytes": nbytes, "sync_GBps": sync_bps / 1e9, "memcpy_GBps": mem_bps / 1e9, "ratio": sync_bps / mem_bps}
+    dst.copy_(flat)
+    variants = {
+        "memcpy into a warm buffer (baseline)": lambda: dst.copy_(flat),
+        "memcpy into a fresh buffer (clone)": lambda: flat.clone(),
+        "legacy: safetensors bytes": legacy,
+        "fp32, copy=True (flat snapshot)": ours("fp32", True),
+        "fp32, copy=False (trainer actor path)": ours("fp32", False),
+        "bf16, copy=False": ours("bf16", False),
+        "mxfp4 experts (rest fp32), dequantized": ours("mxfp4", False),
+    }
+    moved = {k: nbytes for k in variants}
+    for fmt, key in (("bf16", "bf16, copy=False"), ("mxfp4", "mxfp4 experts (rest fp32), dequantized")):
+        moved[key] = sync_bytes(export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt)).sent
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    try:
+        for fn in variants.values():  # warm-up: first touches of the object store, lazy imports
+            fn()
+        for _ in range(reps):
+            for k, fn in variants.items():
+                t0 = time.perf_counter()
+                out = fn()
+                times[k].append(time.perf_counter() - t0)
+                del out
+    finally:
+        ray.shutdown()
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    base = med["memcpy into a warm buffer (baseline)"]
+    rows = {k: {"ms": med[k] * 1e3, "GBps": nbytes / med[k] / 1e9, "vs_memcpy": base / med[k], "bytes_moved": moved[k]} for k in variants}
+    return {"bytes": nbytes, "reps": reps, "rows": rows}
+
+
+def print_sync(s: dict, model: str) -> None:
+    print(f"== weight sync: {model}, {s['bytes'] / 1e6:.1f} MB fp32, export -> object store -> worker-side tensors; "
+          f"median of {s['reps']} interleaved reps; GB/s = fp32 model bytes / time")
+    print(f"  {'variant':<42} {'ms':>8} {'GB/s':>7} {'vs memcpy':>10} {'bytes moved':>14}")
+    for k, r in s["rows"].items():
+        print(f"  {k:<42} {r['ms']:>8.1f} {r['GBps']:>7.2f} {r['vs_memcpy']:>9.2f}x {r['bytes_moved']:>14,}")
 
 
 def bench_breakdown(steps: int) -> dict:
@@ -171,18 +210,20 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--breakdown", action="store_true")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--sync-only", action="store_true", help="only the weight-sync benchmark (seconds instead of minutes)")
+    p.add_argument("--sync-reps", type=int, default=15)
     a = p.parse_args()
     ctx = mp.get_context("spawn")  # torch.distributed is process-global: one process per measurement
+    if not a.sync_only:
+        with ctx.Pool(1) as pool:
+            t = pool.apply(bench_trainer, (a.model, a.batch, a.seq, a.iters))
+        print(f"== trainer throughput: {a.model} ({t['params'] / 1e6:.1f}M params), {t['tokens_per_step']} tokens/step")
+        base = t["tok_per_s"]["bare fwd+bwd+AdamW"]
+        for k, v in t["tok_per_s"].items():
+            print(f"  {k:<52} {v:>9.0f} tok/s   {v / base:5.2f}x bare")
     with ctx.Pool(1) as pool:
-        t = pool.apply(bench_trainer, (a.model, a.batch, a.seq, a.iters))
-    print(f"== trainer throughput: {a.model} ({t['params'] / 1e6:.1f}M params), {t['tokens_per_step']} tokens/step")
-    base = t["tok_per_s"]["bare fwd+bwd+AdamW"]
-    for k, v in t["tok_per_s"].items():
-        print(f"  {k:<52} {v:>9.0f} tok/s   {v / base:5.2f}x bare")
-    with ctx.Pool(1) as pool:
-        s = pool.apply(bench_sync, (a.model, 64.0, 5))
-    print(f"== weight sync: {s['bytes'] / 1e6:.1f} MB: export+object store+unpack {s['sync_GBps']:.2f} GB/s vs memcpy "
-          f"{s['memcpy_GBps']:.2f} GB/s = {s['ratio']:.2f}x")
+        s = pool.apply(bench_sync, (a.model, 64.0, a.sync_reps))
+    print_sync(s, a.model)
     if a.breakdown:
         with ctx.Pool(1) as pool:
             b = pool.apply(bench_breakdown, (a.steps,))

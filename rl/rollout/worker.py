@@ -3,8 +3,11 @@
 The actor is threaded (`max_concurrency`): concurrent `generate` calls from many episodes each
 submit their requests to the engine's continuous-batching loop and wait on their own futures, so
 vLLM batches them together. `update_weights` takes a weight sync as a list of buckets — `WeightBucket`s,
-raw safetensors bytes, or Ray object refs to either (refs inside a list are not resolved by Ray, so
-the worker resolves them) — and applies them bucket by bucket, between two engine steps.
+safetensors bytes, or Ray object refs to either (refs inside a list are not resolved by Ray, so the
+worker resolves them) — and applies them bucket by bucket, between two engine steps. A bucket from
+Ray's object store is read in place (`rl.weights.unpack_bucket` builds tensors over the shared-memory
+buffers); MXFP4-encoded experts are dequantized here to the engine's dtype, since vLLM's loaders do
+not take MXFP4 for these architectures, and the engine re-applies its CPU MoE repack as for any update.
 
 What it does not do: choose which worker serves a request or restart itself (rl/rollout/dispatcher.py),
 or run episodes (rl/rollout/agent_loop.py).
@@ -19,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rl.rollout.engine import EngineConfig, GenerateRequest, GenerateResult, RolloutEngine, WeightUpdateStats
-from rl.weights import WeightBucket, unpack_bucket
+from rl.weights import WeightBucket, engine_dtype, unpack_bucket
 
 
 @dataclass(frozen=True)
@@ -51,20 +54,26 @@ class RolloutWorkerImpl:
         return self.engine.score(token_ids_list)
 
     def update_weights(self, buckets: Sequence[Any], version: int | None = None) -> WeightUpdateStats:
-        """Apply a whole sync (list of buckets); policy_version becomes `version` (default: +1) once, at the end."""
+        """Apply a whole sync (list of buckets); policy_version becomes `version` (default: +1) once, at the end.
+
+        Returned `num_bytes` counts the bytes that crossed to this worker (the buckets' wire payload:
+        MXFP4 experts count at 4.25 bits per weight), not the dequantized bytes loaded into the engine.
+        """
         if not buckets:
             raise ValueError("update_weights: empty bucket list")
         target = self.engine.policy_version + 1 if version is None else int(version)
+        dequant = engine_dtype(getattr(self.engine, "dtype", None))
         t0 = time.perf_counter()
         n_tensors = n_bytes = repacked = 0
         for item in buckets:
             item = _resolve(item)
             if not isinstance(item, (WeightBucket, bytes, bytearray)):
                 raise TypeError(f"update_weights: a bucket must be a WeightBucket, safetensors bytes or an object ref to one; got {type(item).__name__}")
-            st = self.engine.update_weights(unpack_bucket(item), version=target)
+            st = self.engine.update_weights(unpack_bucket(item, dequant_dtype=dequant), version=target)
             n_tensors += st.num_tensors
-            n_bytes += st.num_bytes
+            n_bytes += item.num_bytes if isinstance(item, WeightBucket) else len(item)
             repacked += st.repacked_moe_layers
+            del item  # drop the object-store view before fetching the next bucket
         return WeightUpdateStats(num_tensors=n_tensors, num_bytes=n_bytes, seconds=time.perf_counter() - t0,
                                  repacked_moe_layers=repacked, policy_version=self.engine.policy_version)
 

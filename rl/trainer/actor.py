@@ -51,12 +51,16 @@ class TrainerWorker:
     def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32") -> list[Any]:
         """The current weights as object refs to buckets of checkpoint-named tensors (rl/weights.py).
 
-        Each bucket is put in Ray's object store here, so workers fetch it from there directly and
-        the driver only ever holds the (tiny) refs.
+        `fmt` = `trainer.sync_format` ("fp32", "bf16", "mxfp4"). Buckets are built without a copy
+        (`copy=False`: their buffers alias the weights) and put in Ray's object store at once, so the
+        only copy of an fp32 sync is `ray.put`'s; workers read the object store in place and the
+        driver only ever holds the (tiny) refs. Nothing changes the weights in between: this actor
+        runs one method at a time.
         """
         from rl.weights import export_buckets
 
-        return [ray.put(b) for b in export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt)]
+        buckets = export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, copy=False)
+        return [ray.put(b) for b in buckets]
 
     def version(self) -> int:
         return self.t.version

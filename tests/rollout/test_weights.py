@@ -1,16 +1,19 @@
-"""rl/weights.py: trainer (fused) names -> checkpoint names, bucketing, serialisation; engine update validation.
+"""rl/weights.py: trainer (fused) names -> checkpoint names, bucketing, the zero-copy wire format; engine update validation.
 
 CPU-only and fast: no vLLM engine is started here. The oracle for the name mapping is transformers'
 own `save_pretrained` (what vLLM's loader reads), plus a from-the-formula expert MLP.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rl.rollout.engine import EngineError, check_update_complete
 from rl.weights import (
+    Segment,
+    TensorEntry,
     WeightBucket,
     WeightSyncError,
     export_buckets,
@@ -19,6 +22,7 @@ from rl.weights import (
     plan_buckets,
     tensor_bytes,
     to_checkpoint_format,
+    total_bytes,
     unit_of,
     unpack_bucket,
 )
@@ -130,9 +134,10 @@ def test_buckets_cover_everything_once_keep_units_whole_and_respect_the_size():
         plan_buckets(ckpt, 0)
 
 
-def test_pack_unpack_roundtrip_is_exact_and_bytes_are_counted():
+@pytest.mark.parametrize("copy", [True, False])
+def test_pack_unpack_roundtrip_is_exact_and_bytes_are_counted(copy):
     m = _tiny_qwen3_moe()
-    buckets = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=0.05)
+    buckets = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=0.05, copy=copy)
     assert len(buckets) > 1
     ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
     got: dict[str, torch.Tensor] = {}
@@ -142,15 +147,61 @@ def test_pack_unpack_roundtrip_is_exact_and_bytes_are_counted():
         assert [n for n, _ in pairs] == list(b.names)
         assert b.num_bytes == sum(t.numel() * t.element_size() for _, t in pairs)
         got.update(pairs)
-        assert dict(unpack_bucket(b.payload)).keys() == set(b.names)  # raw bytes work too
-    assert got.keys() == ckpt.keys()
+    assert list(got) == list(ckpt)  # checkpoint order kept across buckets
     for n in ckpt:
-        assert torch.equal(got[n], ckpt[n]), n
-    assert sum(b.num_bytes for b in buckets) == sum(p.numel() * 4 for p in m.parameters())
-    with pytest.raises(WeightSyncError, match="expected safetensors bytes"):
+        assert got[n].shape == ckpt[n].shape and torch.equal(got[n], ckpt[n]), n
+    assert total_bytes(buckets) == sum(p.numel() * 4 for p in m.parameters())
+    with pytest.raises(WeightSyncError, match="expected a WeightBucket"):
         unpack_bucket(123)  # type: ignore[arg-type]
-    one = pack_bucket({"a": torch.ones(3)})
-    assert one.names == ("a",) and one.num_bytes == 12
+    one = pack_bucket({"a": torch.ones(3), "b": torch.arange(4), "c": torch.zeros(0, 2)})
+    assert one.names == ("a", "b", "c") and one.num_bytes == 12 + 32
+    a, b, c = (t for _, t in unpack_bucket(one))
+    assert torch.equal(a, torch.ones(3)) and torch.equal(b, torch.arange(4)) and c.shape == (0, 2)
+
+
+def test_safetensors_bytes_still_decode(tmp_path):
+    from safetensors.torch import save
+
+    t = {"x.weight": torch.randn(3, 4), "y.bias": torch.randn(2).to(torch.bfloat16)}
+    got = dict(unpack_bucket(save(t)))
+    assert got.keys() == t.keys() and all(torch.equal(got[k], t[k]) for k in t)
+
+
+def test_copy_false_aliases_the_source_and_copy_true_snapshots_it():
+    """Zero-copy export: per-expert entries are byte ranges of the fused source; unpack gives views, not copies."""
+    m = _tiny_qwen3_moe()
+    sd = {n: t for n, t in m.state_dict().items()}
+    fused = sd["model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2I, H]
+    (alias,) = make_buckets(sd, "qwen3_moe", bucket_mb=64, copy=False)
+    (snap,) = make_buckets(sd, "qwen3_moe", bucket_mb=64, copy=True)
+    assert len(snap.buffers) == 1  # one flat buffer + an index
+    assert any(np.shares_memory(buf, fused.numpy()) for buf in alias.buffers)
+    assert not np.shares_memory(snap.buffers[0], fused.numpy())
+    up1 = dict(unpack_bucket(alias))["model.layers.0.mlp.experts.1.up_proj.weight"]
+    inter = fused.shape[1] // 2
+    assert up1.data_ptr() == fused[1, inter:].data_ptr()  # a view of expert 1's up rows, no copy
+    before = dict(unpack_bucket(snap))["model.layers.0.mlp.experts.1.up_proj.weight"].clone()
+    with torch.no_grad():
+        fused[1, inter:] += 1.0
+    assert torch.equal(up1, before + 1.0)  # the alias sees the change ...
+    assert torch.equal(dict(unpack_bucket(snap))["model.layers.0.mlp.experts.1.up_proj.weight"], before)  # ... the snapshot does not
+    for e in snap.entries:  # 64-byte aligned parts in the flat buffer
+        assert all(p.offset % 64 == 0 for p in e.parts) or ".experts." in e.name
+
+
+def test_bucket_validation_names_what_is_wrong():
+    with pytest.raises(WeightSyncError, match="uint8"):
+        WeightBucket(entries=(), buffers=(np.zeros(4, dtype=np.float32),))
+    seg = Segment(buffer=0, offset=8, nbytes=16)
+    with pytest.raises(WeightSyncError, match="outside"):
+        WeightBucket(entries=(TensorEntry("w", "raw", "float32", (4,), (seg,)),), buffers=(np.zeros(16, dtype=np.uint8),))
+    with pytest.raises(WeightSyncError, match="mxfp4 needs 2|raw needs 1"):
+        WeightBucket(entries=(TensorEntry("w", "mxfp4", "float32", (32,), (seg,)),), buffers=(np.zeros(32, dtype=np.uint8),))
+    m = _tiny_qwen3_moe()
+    with pytest.raises(WeightSyncError, match="fp8"):
+        make_buckets(m.state_dict(), "qwen3_moe", fmt="fp8")
+    with pytest.raises(WeightSyncError, match="mxfp4_rest"):
+        make_buckets(m.state_dict(), "qwen3_moe", fmt="mxfp4", mxfp4_rest="fp16")
 
 
 def test_export_buckets_drops_non_persistent_buffers_and_casts():
@@ -160,10 +211,14 @@ def test_export_buckets_drops_non_persistent_buffers_and_casts():
     buckets = export_buckets(m, named, bucket_mb=64, fmt="bf16")
     names = {n for b in buckets for n in b.names}
     assert not any("inv_freq" in n for n in names)
-    assert names == set(to_checkpoint_format(m.state_dict(), "qwen3_moe"))
-    assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in unpack_bucket(b))
-    with pytest.raises(WeightSyncError, match="mxfp4"):
-        export_buckets(m, named, fmt="mxfp4")
+    ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
+    assert names == set(ckpt)
+    for b in buckets:
+        for n, t in unpack_bucket(b):
+            assert t.dtype == torch.bfloat16 and torch.equal(t, ckpt[n].to(torch.bfloat16)), n
+    assert total_bytes(buckets) == sum(p.numel() * 2 for p in m.parameters())
+    with pytest.raises(WeightSyncError, match="'fp8'"):
+        export_buckets(m, named, fmt="fp8")
 
 
 def test_update_validation_refuses_partial_fused_parameters():
