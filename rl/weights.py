@@ -23,11 +23,13 @@ warm memory (docs/rollout.md, "Weight sync formats and speed"). Per-expert check
 byte ranges of their fused source tensor (one expert's rows of a contiguous [E, R, C] tensor are
 contiguous), so splitting experts costs nothing.
 
-Two ways to build a bucket:
-- `copy=True` (default): the bucket owns one flat buffer per bucket (a snapshot; one gather copy).
-- `copy=False`: buffers alias the source tensors wherever no cast is needed (zero copies here; the
-  one copy happens in `ray.put`). Only valid while the source is unchanged: the trainer actor puts
-  its buckets into the object store before returning, which is what makes this safe there.
+Ways to build a bucket:
+- `copy=True` (default): one flat buffer per bucket (a snapshot; one gather copy that also casts).
+  With a `SyncStaging` the gather goes into buffers reused from the previous sync (warm memory);
+  the buckets then alias the staging area until the next export. This is what the trainer actor
+  uses: Ray copies one large buffer far faster than many (measured: 140 buffers cost ~5x one).
+- `copy=False`: buffers alias the source tensors wherever no cast is needed (no copy here; the copy
+  happens in `ray.put`). Only valid while the source is unchanged.
 
 Sync formats (`fmt`): "keep" (as the trainer holds them), "fp32", "bf16", and "mxfp4", which follows
 `model.mxfp4_export.pack_for_sync`: expert weights go as OCP MXFP4 blocks + E8M0 scales (4.25 bits
@@ -281,7 +283,11 @@ def plan_buckets(named: Mapping[str, torch.Tensor | int], bucket_mb: float) -> l
 # ----------------------------------------------------------------------------- encoding
 @dataclass(frozen=True)
 class _Source:
-    """One trainer tensor, encoded for the wire: its parts (contiguous) and checkpoint views into them."""
+    """One trainer tensor, encoded for the wire: its parts (contiguous) and checkpoint views into them.
+
+    A raw part may still be in the trainer's dtype: the cast to the wire dtype `dtype` happens inside
+    the gather copy (no intermediate tensor) or, without a gather, in `_materialise`.
+    """
 
     name: str
     encoding: Encoding
@@ -289,30 +295,38 @@ class _Source:
     parts: tuple[torch.Tensor, ...]  # raw: (data,); mxfp4: (blocks, scales)
     views: tuple[tuple[str, tuple], ...]  # (checkpoint name, leading-dim index)
 
+    def wire_itemsize(self, k: int) -> int:
+        return _dtype(self.dtype).itemsize if self.encoding == "raw" else 1
+
+    def part_bytes(self, k: int) -> int:
+        return int(self.parts[k].numel()) * self.wire_itemsize(k)
+
     @property
     def nbytes(self) -> int:
-        return sum(tensor_bytes(p) for p in self.parts)
+        return sum(self.part_bytes(k) for k in range(len(self.parts)))
 
 
 def _encode(name: str, t: torch.Tensor, model_type: str, fmt: str, mxfp4_rest: str) -> _Source:
     t = t.detach()
     views = tuple(_checkpoint_views(name, tuple(t.shape), model_type))  # validates fused shapes first
     if fmt == "mxfp4":
-        from model.mxfp4_export import pack_for_sync  # lazy: `import model` costs seconds (transformers)
+        from model.mxfp4_export import plan_tensor  # lazy: `import model` costs seconds (transformers)
 
-        p = pack_for_sync(name, t, "mxfp4", include="experts", fallback=mxfp4_rest)  # type: ignore[arg-type]
-        if p.fmt == "mxfp4":
-            assert p.blocks is not None and p.scales is not None
+        if plan_tensor(name, t, "experts").quantize:
+            from model.mxfp4 import MXFP4Error
+            from model.mxfp4_export import pack_for_sync
+
+            try:
+                p = pack_for_sync(name, t, "mxfp4", include="experts", fallback=mxfp4_rest)  # type: ignore[arg-type]
+            except MXFP4Error as e:  # NaN/Inf weights: a diverged model must not be shipped silently
+                raise WeightSyncError(str(e)) from e
+            assert p.fmt == "mxfp4" and p.blocks is not None and p.scales is not None
             return _Source(name, "mxfp4", p.dtype, (p.blocks.contiguous(), p.scales.contiguous()), views)
-        assert p.data is not None
-        data = p.data
-    elif fmt in ("fp32", "bf16") and t.is_floating_point():
-        target = torch.float32 if fmt == "fp32" else torch.bfloat16
-        data = t if t.dtype == target else t.to(target)
-    else:  # "keep", and integer buffers under any format
-        data = t
-    data = data.cpu().contiguous()
-    return _Source(name, "raw", _dtype_name(data.dtype), (data,), views)
+        fmt = mxfp4_rest  # the rest travels like pack_for_sync's fallback
+    wire = t.dtype
+    if t.is_floating_point() and fmt in ("fp32", "bf16"):
+        wire = torch.float32 if fmt == "fp32" else torch.bfloat16
+    return _Source(name, "raw", _dtype_name(wire), (t.cpu().contiguous(),), views)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -322,13 +336,12 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _segment(part: torch.Tensor, idx: tuple, buffer: int, base: int) -> Segment:
-    """Byte range of part[idx] inside a buffer where `part` starts at byte `base`."""
+def _segment(part: torch.Tensor, idx: tuple, itemsize: int, buffer: int, base: int) -> Segment:
+    """Byte range of part[idx] (in the wire dtype, `itemsize` bytes per element) where `part` starts at byte `base`."""
     v = part[idx] if idx else part
     if not v.is_contiguous():  # cannot happen for leading-dim indices of a contiguous tensor
         raise WeightSyncError(f"internal: view {idx} of a {tuple(part.shape)} tensor is not contiguous")
-    off = (v.storage_offset() - part.storage_offset()) * part.element_size()
-    return Segment(buffer=buffer, offset=base + off, nbytes=tensor_bytes(v))
+    return Segment(buffer=buffer, offset=base + (v.storage_offset() - part.storage_offset()) * itemsize, nbytes=int(v.numel()) * itemsize)
 
 
 def _entry_shape(src: _Source, idx: tuple) -> tuple[int, ...]:
@@ -342,39 +355,73 @@ def _entry_shape(src: _Source, idx: tuple) -> tuple[int, ...]:
     return (*lead_g[:-1], lead_g[-1] * BLOCK_SIZE)
 
 
-def _pack_sources(sources: Sequence[_Source], copy: bool) -> WeightBucket:
+class SyncStaging:
+    """Reusable gather buffers for `copy=True` exports, one per bucket position, kept across syncs.
+
+    Why: writing into never-touched memory costs a page fault per 4 KiB page; on this machine (a
+    Firecracker VM) that makes a fresh buffer several times slower to fill than a reused one
+    (docs/rollout.md). Buckets built with a staging area alias it: they stay valid until the next
+    export through the same staging (the trainer actor `ray.put`s them at once, which copies).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[np.ndarray] = []
+
+    def get(self, i: int, nbytes: int) -> np.ndarray:
+        while len(self._bufs) <= i:
+            self._bufs.append(np.empty(0, dtype=np.uint8))
+        if self._bufs[i].size < nbytes:
+            self._bufs[i] = np.empty(nbytes, dtype=np.uint8)
+        return self._bufs[i][:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self._bufs)
+
+
+def _pack_sources(sources: Sequence[_Source], copy: bool, staging: np.ndarray | None = None) -> WeightBucket:
     entries: list[TensorEntry] = []
     if copy:
-        # One flat buffer: every part gathered once (casts already happened in _encode).
+        # One flat buffer: every part gathered (and cast to its wire dtype) by one copy.
         bases: list[list[int]] = []
         total = 0
         for src in sources:
             bases.append([])
-            for p in src.parts:
+            for k in range(len(src.parts)):
                 bases[-1].append(total)
-                total += -(-tensor_bytes(p) // _ALIGN) * _ALIGN
-        buf = np.empty(total, dtype=np.uint8)
+                total += -(-src.part_bytes(k) // _ALIGN) * _ALIGN
+        buf = np.empty(total, dtype=np.uint8) if staging is None else staging[:total]
+        if buf.size != total:
+            raise WeightSyncError(f"internal: staging buffer of {buf.size} bytes for a {total}-byte bucket")
         flat_u8 = torch.from_numpy(buf)
         for src, bs in zip(sources, bases):
-            for p, base in zip(src.parts, bs):
+            for k, (p, base) in enumerate(zip(src.parts, bs)):
                 if p.numel():
-                    flat_u8[base:base + tensor_bytes(p)].copy_(torch.from_numpy(_as_bytes(p)))
+                    wire = _dtype(src.dtype) if src.encoding == "raw" else torch.uint8
+                    flat_u8[base:base + src.part_bytes(k)].view(wire).copy_(p.reshape(-1))
         buffers: tuple[np.ndarray, ...] = (buf,)
         for src, bs in zip(sources, bases):
             for ckpt_name, idx in src.views:
-                segs = tuple(_segment(p, idx, 0, b) for p, b in zip(src.parts, bs))
+                segs = tuple(_segment(p, idx, src.wire_itemsize(k), 0, b) for k, (p, b) in enumerate(zip(src.parts, bs)))
                 entries.append(TensorEntry(ckpt_name, src.encoding, src.dtype, _entry_shape(src, idx), segs))
     else:
-        # One buffer per part, aliasing the part's memory: ray.put does the only copy.
+        # One buffer per part, aliasing the part's memory when no cast is needed: ray.put does the only copy.
         bufs: list[np.ndarray] = []
         for src in sources:
             first = len(bufs)
-            bufs.extend(_as_bytes(p) for p in src.parts)
+            for p in src.parts:
+                if src.encoding == "raw" and p.dtype != _dtype(src.dtype):
+                    p = p.to(_dtype(src.dtype))
+                bufs.append(_as_bytes(p))
             for ckpt_name, idx in src.views:
-                segs = tuple(_segment(p, idx, first + k, 0) for k, p in enumerate(src.parts))
+                segs = tuple(_segment(p, idx, src.wire_itemsize(k), first + k, 0) for k, p in enumerate(src.parts))
                 entries.append(TensorEntry(ckpt_name, src.encoding, src.dtype, _entry_shape(src, idx), segs))
         buffers = tuple(bufs)
     return WeightBucket(entries=tuple(entries), buffers=buffers)
+
+
+def _bucket_nbytes(sources: Sequence[_Source]) -> int:
+    return sum(-(-s.part_bytes(k) // _ALIGN) * _ALIGN for s in sources for k in range(len(s.parts)))
 
 
 def pack_bucket(tensors: Mapping[str, torch.Tensor], *, copy: bool = True) -> WeightBucket:
@@ -392,23 +439,31 @@ def make_buckets(
     fmt: str = "keep",
     mxfp4_rest: str = "fp32",
     copy: bool = True,
+    staging: SyncStaging | None = None,
 ) -> list[WeightBucket]:
     """Trainer (in-memory) state dict -> checkpoint-format, unit-preserving buckets in sync format `fmt`.
 
     `fmt`: "keep" | "fp32" | "bf16" | "mxfp4" (experts as MXFP4, the rest in `mxfp4_rest`, "fp32" or
-    "bf16"). `copy=False` lets buffers alias `state_dict`'s memory (see the module docstring).
+    "bf16"). `copy=True`: each bucket is one flat buffer (gathered into `staging` if given, which the
+    buckets then alias); `copy=False`: buffers alias `state_dict`'s memory (module docstring).
     """
     if fmt not in SYNC_FORMATS:
         raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {SYNC_FORMATS}")
     if mxfp4_rest not in ("fp32", "bf16"):
         raise WeightSyncError(f"mxfp4_rest must be 'fp32' or 'bf16', got {mxfp4_rest!r}")
+    if staging is not None and not copy:
+        raise WeightSyncError("make_buckets: a staging area is only used with copy=True")
     sources: dict[str, _Source] = {}
     for name, t in state_dict.items():
         if tie_word_embeddings and name == "lm_head.weight":
             continue
         sources[name] = _encode(name, t, model_type, fmt, mxfp4_rest)
     plan = plan_buckets({n: s.nbytes for n, s in sources.items()}, bucket_mb)
-    return [_pack_sources([sources[n] for n in names], copy) for names in plan]
+    out = []
+    for i, names in enumerate(plan):
+        srcs = [sources[n] for n in names]
+        out.append(_pack_sources(srcs, copy, None if staging is None else staging.get(i, _bucket_nbytes(srcs))))
+    return out
 
 
 def total_bytes(buckets: Iterable[WeightBucket]) -> int:
@@ -525,6 +580,7 @@ def export_buckets(
     *,
     copy: bool = True,
     mxfp4_rest: str = "fp32",
+    staging: SyncStaging | None = None,
 ) -> list[WeightBucket]:
     """What a trainer sends to rollout engines: its (gathered, CPU) weights as checkpoint-format buckets.
 
@@ -532,7 +588,8 @@ def export_buckets(
     non-persistent buffers (e.g. rotary `inv_freq`) are not part of a checkpoint and are dropped.
     `fmt` = `trainer.sync_format`: "fp32", "bf16" (cast before sending) or "mxfp4" (experts as
     MXFP4, the rest in `mxfp4_rest`; the worker dequantizes to the engine's dtype).
-    `copy=False`: buckets alias the weights (the caller must serialise them before the weights change).
+    `copy=False`: buckets alias the weights; `staging`: buckets alias that reused gather area. Either
+    way the caller must serialise them (`ray.put`) before the weights change / the next export.
     """
     if fmt not in _SYNC_FORMATS_TRAINER:
         raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {_SYNC_FORMATS_TRAINER}")
@@ -543,7 +600,7 @@ def export_buckets(
     persistent = set(module.state_dict().keys())
     kept = {n: t for n, t in named_weights if n in persistent}
     return make_buckets(kept, cfg.model_type, bucket_mb, tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
-                        fmt=fmt, mxfp4_rest=mxfp4_rest, copy=copy)
+                        fmt=fmt, mxfp4_rest=mxfp4_rest, copy=copy, staging=staging)
 
 
 def engine_dtype(name: str | None) -> torch.dtype | None:

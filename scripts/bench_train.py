@@ -111,8 +111,12 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
 
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
-    from rl.weights import export_buckets, sync_bytes, to_checkpoint_format, unpack_bucket
+    from rl.weights import SyncStaging, export_buckets, sync_bytes, to_checkpoint_format, unpack_bucket
 
+    # The trainer actor runs torch with one thread (JOINTRL_TRAINER_THREADS, default 1); so does this.
+    # With two threads on this oversubscribed machine every copy_ pays an OpenMP wake-up (measured:
+    # a 141-tensor gather 10x slower), which would measure the machine's load, not the sync.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     m = HybridMoeForCausalLM(load_shipped_config(model))
     named = [(n, p.detach()) for n, p in m.named_parameters()]
@@ -123,9 +127,11 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
         got = ray.get(ray.put(st_save(ck)))
         return list(st_load(bytes(got)).items())
 
-    def ours(fmt: str, copy: bool):
+    def ours(fmt: str, copy: bool, staged: bool = False):
+        staging = SyncStaging() if staged else None  # reused across reps, as the trainer actor reuses it across syncs
+
         def run():
-            refs = [ray.put(b) for b in export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt, copy=copy)]
+            refs = [ray.put(b) for b in export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt, copy=copy, staging=staging)]
             return [unpack_bucket(ray.get(r), dequant_dtype=torch.float32) for r in refs]
         return run
 
@@ -136,13 +142,14 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
         "memcpy into a warm buffer (baseline)": lambda: dst.copy_(flat),
         "memcpy into a fresh buffer (clone)": lambda: flat.clone(),
         "legacy: safetensors bytes": legacy,
-        "fp32, copy=True (flat snapshot)": ours("fp32", True),
-        "fp32, copy=False (trainer actor path)": ours("fp32", False),
-        "bf16, copy=False": ours("bf16", False),
-        "mxfp4 experts (rest fp32), dequantized": ours("mxfp4", False),
+        "fp32, flat buffer, fresh memory": ours("fp32", True),
+        "fp32, per-tensor buffers (copy=False)": ours("fp32", False),
+        "fp32, flat, staged (trainer actor path)": ours("fp32", True, staged=True),
+        "bf16, flat, staged": ours("bf16", True, staged=True),
+        "mxfp4 experts + fp32 rest, staged": ours("mxfp4", True, staged=True),
     }
     moved = {k: nbytes for k in variants}
-    for fmt, key in (("bf16", "bf16, copy=False"), ("mxfp4", "mxfp4 experts (rest fp32), dequantized")):
+    for fmt, key in (("bf16", "bf16, flat, staged"), ("mxfp4", "mxfp4 experts + fp32 rest, staged")):
         moved[key] = sync_bytes(export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt)).sent
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     times: dict[str, list[float]] = {k: [] for k in variants}

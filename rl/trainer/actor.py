@@ -51,15 +51,20 @@ class TrainerWorker:
     def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32") -> list[Any]:
         """The current weights as object refs to buckets of checkpoint-named tensors (rl/weights.py).
 
-        `fmt` = `trainer.sync_format` ("fp32", "bf16", "mxfp4"). Buckets are built without a copy
-        (`copy=False`: their buffers alias the weights) and put in Ray's object store at once, so the
-        only copy of an fp32 sync is `ray.put`'s; workers read the object store in place and the
-        driver only ever holds the (tiny) refs. Nothing changes the weights in between: this actor
-        runs one method at a time.
+        `fmt` = `trainer.sync_format` ("fp32", "bf16", "mxfp4"). Buckets are put in Ray's object
+        store at once, so workers read them from there in place and the driver only ever holds the
+        (tiny) refs. fp32 buckets alias the weights (`copy=False`: `ray.put` is the only copy);
+        bf16 / MXFP4 buckets are gathered, cast or encoded into a staging area reused across syncs
+        (fresh memory is several times slower to fill here). Both are safe because nothing touches
+        the weights or the staging area before `ray.put` returns: this actor runs one method at a time.
         """
-        from rl.weights import export_buckets
+        from rl.weights import SyncStaging, export_buckets
 
-        buckets = export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, copy=False)
+        if fmt == "fp32":
+            buckets = export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, copy=False)
+        else:
+            staging = self.__dict__.setdefault("_sync_staging", SyncStaging())
+            buckets = export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, staging=staging)
         return [ray.put(b) for b in buckets]
 
     def version(self) -> int:

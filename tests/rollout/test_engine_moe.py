@@ -163,7 +163,7 @@ def test_successive_updates_match_hf_each_time(engine, reference):
         buckets = make_buckets(state, "qwen3_moe", bucket_mb=0.5)  # several buckets, each whole layers
         assert len(buckets) > 1
         for b in buckets:
-            stats = engine.update_weights(unpack_bucket(b.payload), version=step)
+            stats = engine.update_weights(unpack_bucket(b), version=step)
             assert stats.num_bytes == b.num_bytes
         assert engine.policy_version == step
         # the previous state's logprobs are no longer served (the update really changed the model)

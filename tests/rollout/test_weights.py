@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from rl.rollout.engine import EngineError, check_update_complete
 from rl.weights import (
     Segment,
+    SyncStaging,
     TensorEntry,
     WeightBucket,
     WeightSyncError,
@@ -187,6 +188,28 @@ def test_copy_false_aliases_the_source_and_copy_true_snapshots_it():
     assert torch.equal(dict(unpack_bucket(snap))["model.layers.0.mlp.experts.1.up_proj.weight"], before)  # ... the snapshot does not
     for e in snap.entries:  # 64-byte aligned parts in the flat buffer
         assert all(p.offset % 64 == 0 for p in e.parts) or ".experts." in e.name
+
+
+def test_staging_is_reused_across_exports_and_casts_in_the_gather():
+    m = _tiny_qwen3_moe()
+    sd = dict(m.state_dict())
+    staging = SyncStaging()
+    first = make_buckets(sd, "qwen3_moe", bucket_mb=0.05, fmt="bf16", staging=staging)
+    ptrs = [b.buffers[0].ctypes.data for b in first]
+    size = staging.nbytes
+    ckpt = to_checkpoint_format(sd, "qwen3_moe")
+    for b in first:
+        for n, t in unpack_bucket(b):
+            assert t.dtype == torch.bfloat16 and torch.equal(t, ckpt[n].to(torch.bfloat16)), n
+    with torch.no_grad():
+        sd = {n: t + 1.0 for n, t in sd.items()}
+    second = make_buckets(sd, "qwen3_moe", bucket_mb=0.05, fmt="bf16", staging=staging)
+    assert [b.buffers[0].ctypes.data for b in second] == ptrs and staging.nbytes == size  # same memory, no new allocation
+    w = first[-1].names[0]
+    assert torch.equal(dict(unpack_bucket(first[-1]))[w], dict(unpack_bucket(second[-1]))[w])  # the old buckets alias it
+    assert torch.equal(dict(unpack_bucket(second[-1]))[w], to_checkpoint_format(sd, "qwen3_moe")[w].to(torch.bfloat16))
+    with pytest.raises(WeightSyncError, match="copy=True"):
+        make_buckets(sd, "qwen3_moe", copy=False, staging=staging)
 
 
 def test_bucket_validation_names_what_is_wrong():
