@@ -2,7 +2,7 @@
 
 Each `Library` names a small pure-Python project whose source distribution ships its tests
 (FACTS.md: toolz, cachetools, tabulate, more-itertools). `ensure_source(lib)` downloads the pinned
-sdist with `pip download --no-binary :all: --no-deps` into the cache (`$JOINTRL_CACHE/swe` or
+sdist with `pip download --no-binary NAME --no-deps` into the cache (`$JOINTRL_CACHE/swe` or
 `.cache/swe`), checks its sha256 and unpacks it once; nothing from these projects is committed to
 this repository. `ensure_runtime()` assembles the *test runtime*: a directory holding pytest and
 its pure-Python dependencies copied out of the project's venv, plus `driver.py` (runner.py), so a
@@ -136,10 +136,12 @@ def sdist_path(lib: Library) -> Path:
     if not found:
         tmp = Path(tempfile.mkdtemp(prefix="dl-", dir=d))
         try:
-            # --no-build-isolation: the venv's setuptools prepares the metadata; with isolation pip
-            # would build setuptools itself from source under --no-binary :all:.
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                                "--no-build-isolation", "--disable-pip-version-check", "-d", str(tmp),
+            # `--no-binary NAME` (not `:all:`): only this package must come as an sdist; its build
+            # backend (setuptools_scm etc.) installs as wheels in pip's isolated build env. With the
+            # venv's own setuptools (--no-build-isolation), a fresh venv lacks setuptools_scm, the
+            # metadata says version 0.0.0 and pip refuses the download.
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", lib.name, "--no-deps",
+                                "--disable-pip-version-check", "-d", str(tmp),
                                 f"{lib.name}=={lib.version}"], capture_output=True, text=True, timeout=900)
             got = list(tmp.glob("*.tar.gz"))
             if r.returncode != 0 or len(got) != 1:
