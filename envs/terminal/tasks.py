@@ -9,11 +9,11 @@ variant with any train task. `Task.private["variant"]` records it so `check_env`
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
 import random
 
 from envs.terminal.families import FAMILIES, Family, Instance
+from envs.splits import split_by_hash
+from envs.splits import variant_key as _variant_key
 from envs.types import Limits, Message, Task
 
 ENV_ID = "terminal-v0"
@@ -28,16 +28,11 @@ SYSTEM_PROMPT = (
 
 
 def variant_key(family: Family, variant: tuple) -> str:
-    return f"{family.name}:{json.dumps(list(variant))}"
+    return _variant_key(family.name, variant)
 
 
 def split_variants(family: Family) -> dict[str, list[tuple]]:
-    variants = family.variants()
-    if len(set(variants)) != len(variants) or len(variants) < 2:
-        raise ValueError(f"family {family.name}: needs at least 2 distinct variants")
-    ranked = sorted(variants, key=lambda v: hashlib.sha256(variant_key(family, v).encode()).hexdigest())
-    n_held = max(1, round(HELDOUT_FRACTION * len(variants)))
-    return {"heldout": ranked[:n_held], "train": ranked[n_held:]}
+    return split_by_hash(family.name, family.variants(), HELDOUT_FRACTION, min_variants=2)
 
 
 def _encode_files(inst: Instance) -> list[dict]:
