@@ -26,21 +26,8 @@ from envs.cad.worker import CadWorkerError, CadWorkerPool, default_pool  # noqa:
 from envs.check import check_env  # noqa: E402
 from envs.play import ScriptedPolicy, run_episode  # noqa: E402
 from envs.sandbox import hostctl  # noqa: E402
-from envs.sandbox.base import SandboxUnavailable  # noqa: E402
 
 FAMILY_NAMES = list(FAMILIES)
-
-
-@pytest.fixture(scope="module")
-def backend():
-    try:
-        from envs.sandbox.bwrap import BwrapBackend
-
-        b = BwrapBackend()
-        b.open().close()
-    except SandboxUnavailable as e:
-        pytest.skip(f"bubblewrap sandbox unavailable on this host: {e}")
-    return b
 
 
 @pytest.fixture(scope="module")

@@ -18,23 +18,10 @@ import envs
 from envs.base import ToolInvocation
 from envs.check import check_env
 from envs.play import ScriptedPolicy, run_episode
-from envs.sandbox.base import SandboxUnavailable
 from envs.swe import grader as G
 from envs.swe import instances as I
 from envs.swe.tasks import instance_set, make_tasks, task_of
 from envs.swe import build as B
-
-
-@pytest.fixture(scope="module")
-def backend():
-    try:
-        from envs.sandbox.bwrap import BwrapBackend
-
-        b = BwrapBackend()
-        b.open().close()
-    except SandboxUnavailable as e:
-        pytest.skip(f"bubblewrap sandbox unavailable on this host: {e}")
-    return b
 
 
 @pytest.fixture(scope="module")

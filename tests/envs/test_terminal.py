@@ -16,23 +16,11 @@ import envs
 from envs.base import ToolInvocation
 from envs.check import check_env
 from envs.play import ScriptedPolicy, run_episode
-from envs.sandbox.base import SandboxLimits, SandboxUnavailable
+from envs.sandbox.base import SandboxLimits
 from envs.terminal.families import FAMILIES
 from envs.terminal.tasks import make_task, split_variants
 
 FAMILY_NAMES = list(FAMILIES)
-
-
-@pytest.fixture(scope="module")
-def backend():
-    try:
-        from envs.sandbox.bwrap import BwrapBackend
-
-        b = BwrapBackend()
-        b.open().close()
-    except SandboxUnavailable as e:
-        pytest.skip(f"bubblewrap sandbox unavailable on this host: {e}")
-    return b
 
 
 def task_of(family: str, split: str = "train", seed: int = 0):
