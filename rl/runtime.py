@@ -162,7 +162,6 @@ class Runtime:
         self._actors.append(self.trainer)
         info = ray.get(self.trainer.ready.remote())
         log.info("trainer ready: %s", info)
-        self.sft_spec = spec
 
     def _start_rollout(self, serve_dir: Path) -> None:
         from rl.rollout.dispatcher import RolloutDispatcher
@@ -173,7 +172,6 @@ class Runtime:
         ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed)
         env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "XDG_"))}
         Actor = rollout_worker_actor(num_cpus=1)
-        self.engine_config = ecfg
         self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
         log.info("rollout workers ready: %s", self.rollout_engine.health())
 

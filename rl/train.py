@@ -9,15 +9,13 @@ what it does. The math is in rl/algos (via rl/objective.py); nothing here comput
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from rl.config import RunConfig
 from rl.log import get_logger, progress, setup_logging
 from rl.metrics import progress_text
-from rl.types import Episode, RolloutGroup, StepMetrics
+from rl.types import RolloutGroup, StepMetrics
 
 log = get_logger("train")
 

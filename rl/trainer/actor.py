@@ -32,9 +32,6 @@ class TrainerWorker:
     def compute_logprobs(self, batch: TrainBatch):
         return self.t.compute_logprobs(batch)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.t.train_step(batch)
-
     def rl_step(self, batch: TrainBatch) -> dict[str, float]:
         """Old-policy logprobs (recording routes for R2 when the engine gave none), then one update."""
         old_lp, routes = self.t.compute_logprobs(batch)
