@@ -10,8 +10,18 @@ arguments) comes back as a `ToolArgError` whose message is written for the model
 A parameter annotated `ToolContext` is injected by the framework (time left, the task) and is not
 part of the schema. This module does not run tools or enforce budgets: see `envs.base.ToolEnv`.
 
-Supported annotations: str, int, float, bool, list[T], dict[str, T], Literal[...], T | None.
-Anything else is refused when the tool is defined (an author error, not a model error).
+Supported annotations: str, int, float, bool, list[T], dict[str, T], Literal[...] (of str, int,
+float, bool, None), unions of these (`str | int`, `list[str] | str`) and Optional / `T | None`.
+A union of primitives becomes a JSON `type` list, any other union an `anyOf`, and None a
+`"nullable": true` (transformers' conventions). Anything else is refused when the tool is defined
+(an author error, not a model error).
+
+Validation accepts exactly what the schema allows, with no coercion between JSON types: booleans
+are not integers, `"3"` is a string (refused for an `int` parameter, with a hint to drop the
+quotes; a `str | int` parameter receives the string and the tool decides what a numeric string
+means), and JSON integers widen to `float` parameters (JSON Schema's "number" includes them).
+A union tries the arms that take the value's JSON type as it is first, so `3` stays an int for
+`int | float`. Errors name the argument (`tool.arg[2]`) and the allowed types.
 """
 from __future__ import annotations
 
@@ -172,31 +182,45 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 
 _PRIMS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_NONE = type(None)
 
 
-def _is_optional(tp: Any) -> tuple[bool, Any]:
-    if get_origin(tp) in (Union, types.UnionType):
-        arms = [a for a in get_args(tp) if a is not type(None)]
-        if len(arms) == 1 and len(get_args(tp)) == 2:
-            return True, arms[0]
-    return False, tp
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType)
 
 
 def _schema_of(tp: Any, where: str) -> dict[str, Any]:
-    optional, inner = _is_optional(tp)
-    if optional:
-        s = _schema_of(inner, where)
-        s["nullable"] = True  # the convention transformers' get_json_schema uses
+    """Annotation -> JSON schema, the same dict `transformers.utils.get_json_schema` builds
+    (transformers/utils/chat_template_utils.py `_parse_type_hint`), so a chat template renders our
+    tools exactly as it would render the author's plain function."""
+    if _is_union(tp):
+        arms = [a for a in get_args(tp) if a is not _NONE]
+        subs = [_schema_of(a, where) for a in arms]
+        if len(subs) == 1:
+            s = subs[0]
+        elif all(set(x) == {"type"} and isinstance(x["type"], str) for x in subs):
+            # Plain primitives: one "type" list, sorted and de-duplicated (transformers' order).
+            names = sorted({x["type"] for x in subs})
+            s = {"type": names[0] if len(names) == 1 else names}
+        else:  # an arm with items / enum / additionalProperties cannot share a type list
+            s = {"anyOf": subs}
+        if _NONE in get_args(tp):
+            s["nullable"] = True  # OpenAI / transformers convention for Optional, not JSON Schema's "null" type
         return s
     if tp in _PRIMS:
         return {"type": _PRIMS[tp]}
     origin = get_origin(tp)
     if origin is Literal:
         values = list(get_args(tp))
-        kinds = {type(v) for v in values}
-        if len(kinds) != 1 or next(iter(kinds)) not in _PRIMS:
-            raise ToolDefinitionError(f"{where}: Literal values must share one primitive type, got {values!r}")
-        return {"type": _PRIMS[next(iter(kinds))], "enum": values}
+        bad = [v for v in values if type(v) not in (*_PRIMS, _NONE)]
+        if not values or bad:
+            raise ToolDefinitionError(f"{where}: Literal values must be str, int, float, bool or None, got {values!r}")
+        kinds: list[str] = []  # JSON types in order of first appearance (transformers' order)
+        for v in values:
+            k = _PRIMS.get(type(v), "null")
+            if k not in kinds:
+                kinds.append(k)
+        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": values}
     if origin is list:
         (item,) = get_args(tp) or (None,)
         if item is None:
@@ -207,7 +231,8 @@ def _schema_of(tp: Any, where: str) -> dict[str, Any]:
         if kt is not str:
             raise ToolDefinitionError(f"{where}: only dict[str, T] can be described (JSON keys are strings)")
         return {"type": "object", "additionalProperties": _schema_of(vt, where + "{}")}
-    raise ToolDefinitionError(f"{where}: annotation {tp!r} is not supported (use str/int/float/bool/list/dict/Literal/Optional)")
+    raise ToolDefinitionError(f"{where}: annotation {tp!r} is not supported "
+                              "(use str/int/float/bool/list/dict/Literal, unions of them, Optional)")
 
 
 def _json_type(v: Any) -> str:
@@ -226,11 +251,67 @@ def _json_type(v: Any) -> str:
     return "object"
 
 
+def _describe(tp: Any) -> str:
+    """An annotation in the words of the schema the model was shown: 'integer or string', 'array of string'."""
+    if _is_union(tp):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is _NONE:
+        return "null"
+    if tp in _PRIMS:
+        return _PRIMS[tp]
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(json.dumps(a) for a in get_args(tp))
+    if origin is list:
+        return f"array of {_describe(get_args(tp)[0])}"
+    return f"object of {_describe(get_args(tp)[1])}"
+
+
+def _kinds(tp: Any) -> set[str]:
+    """The JSON types (as `_json_type` names them) a value must have to be accepted by `tp` without widening."""
+    if _is_union(tp):
+        return set().union(*(_kinds(a) for a in get_args(tp)))
+    if tp is _NONE:
+        return {"null"}
+    if tp in _PRIMS:
+        return {_PRIMS[tp]}
+    origin = get_origin(tp)
+    if origin is Literal:
+        return {_json_type(a) for a in get_args(tp)}
+    return {"array"} if origin is list else {"object"}
+
+
+def _got(v: Any) -> str:
+    """How a rejected value is shown to the model: its JSON type, and the value itself when short."""
+    text = json.dumps(v)
+    return f"{_json_type(v)} {text}" if len(text) <= 40 and not isinstance(v, (list, dict)) else _json_type(v)
+
+
 def _check_value(where: str, v: Any, tp: Any) -> Any:
-    """Validate a decoded JSON value against an annotation; ints widen to float; no other coercion."""
-    optional, inner = _is_optional(tp)
-    if optional:
-        return None if v is None else _check_value(where, v, inner)
+    """Validate a decoded JSON value against an annotation; return it as the tool receives it.
+
+    Accepts exactly what the annotation's JSON schema accepts, with two deliberate readings:
+    a JSON integer is accepted for a `float` (it is a JSON number) and converted to float, and
+    JSON `3.0` is refused for an `int` (Python's json decodes it as float; JSON Schema would call
+    it an integer). No other coercion: "3" is a string, and a string is refused for `int` with
+    an error the model can act on; booleans are never integers.
+    """
+    if _is_union(tp):
+        arms = get_args(tp)
+        if v is None and _NONE in arms:
+            return None
+        kind = _json_type(v)
+        # Arms that take this JSON type as it is come first, so 3 stays int for `int | float` and a
+        # string stays a string for `str | int`; an int reaches a `float` arm only if nothing else fits.
+        exact = [a for a in arms if a is not _NONE and kind in _kinds(a)]
+        for arm in exact + [a for a in arms if a is not _NONE and a not in exact]:
+            try:
+                return _check_value(where, v, arm)
+            except ToolArgError:
+                continue
+        if len(exact) == 1 and get_origin(exact[0]) in (list, dict):
+            _check_value(where, v, exact[0])  # an array for `list[int] | str` with a bad item: say which item
+        raise ToolArgError(f"argument '{where}' must be {_describe(tp)}, got {_got(v)}")
     origin = get_origin(tp)
     if origin is Literal:
         allowed = get_args(tp)
@@ -255,5 +336,8 @@ def _check_value(where: str, v: Any, tp: Any) -> Any:
         "boolean": isinstance(v, bool),
     }[expected]
     if not ok:
-        raise ToolArgError(f"argument '{where}' must be {expected}, got {_json_type(v)}")
+        hint = ""
+        if expected in ("integer", "number") and isinstance(v, str) and re.fullmatch(r"\s*-?\d+(\.\d+)?\s*", v):
+            hint = f" (write the number without quotes: {v.strip()})"
+        raise ToolArgError(f"argument '{where}' must be {expected}, got {_got(v)}{hint}")
     return float(v) if tp is float else v

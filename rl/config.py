@@ -122,6 +122,7 @@ class TrainerSection:
     steps: int = 10
     sft_steps: int = 0
     sft_lr: float = 1e-3
+    sft_tasks_per_domain: int = 0  # train tasks whose reference solutions make the SFT set; 0 = max(4, 4 x tasks_per_step)
     tasks_per_step: int = 4
     async_mode: bool = False
     max_staleness: int = 1
@@ -129,6 +130,16 @@ class TrainerSection:
     sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
     checkpoint_every: int = 0  # 0 = only at the end
     resume: bool = True
+
+
+@dataclass
+class EvalSection:
+    """Held-out evaluation before and after RL (and `jointrl eval`)."""
+
+    n_per_domain: int = 0  # held-out tasks per domain; 0 = max(2, trainer.tasks_per_step)
+    samples: int = 1  # episodes per task; success/reward are means over all of them (pass@1 estimate)
+    temperature: float = 0.0  # 0 = greedy; with samples > 1 use the training temperature to measure the policy itself
+    seed: int = 12345
 
 
 @dataclass
@@ -153,6 +164,7 @@ class RunConfig:
     envs: EnvsSection = field(default_factory=EnvsSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def resolved_run_dir(self) -> Path:
@@ -316,10 +328,18 @@ def validate(cfg: RunConfig) -> None:
         "rollout.num_workers": cfg.rollout.num_workers,
         "trainer.num_workers": cfg.trainer.num_workers,
         "rollout.max_model_len": cfg.rollout.max_model_len,
+        "eval.samples": cfg.eval.samples,
     }
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"config key '{k}': value {v} must be > 0")
+    for k, v in {"eval.n_per_domain": cfg.eval.n_per_domain, "trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
+                 "eval.temperature": cfg.eval.temperature}.items():
+        if v < 0:
+            raise ConfigError(f"config key '{k}': value {v} must be >= 0")
+    if cfg.eval.samples > 1 and cfg.eval.temperature == 0.0:
+        raise ConfigError("config key 'eval.samples': more than one sample per task needs eval.temperature > 0 "
+                          "(greedy samples are identical)")
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"config key 'trainer.lr': value {cfg.trainer.lr} must be > 0")
 

@@ -69,7 +69,7 @@ class EvidenceFollower:
             hit = next((m for m in _RESULT.finditer(obs or "") if m.group("path") == r.evidence[0]), None)
             self.stage = "on_page"
             # Not among the results: type the URL, as a person would after a failed search.
-            return ToolInvocation("open", {"url_or_id": hit.group("n") if hit else display_url(r.evidence[0])})
+            return ToolInvocation("open", {"url_or_id": int(hit.group("n")) if hit else display_url(r.evidence[0])})
         if self.stage == "on_page":
             self._expect_page(obs or "")
             label = r.relations[self.hop] if self.hop < len(r.relations) else r.answer_field
@@ -84,7 +84,7 @@ class EvidenceFollower:
                 raise ReferenceAgentError(f"no '{label}: [..][n]' link on {r.evidence[self.hop]}: {obs!r}")
             self.hop += 1
             self.stage = "on_page"
-            return ToolInvocation("open", {"url_or_id": m.group(1)})
+            return ToolInvocation("open", {"url_or_id": int(m.group(1))})
         if self.stage == "read_answer":
             m = re.search(r"^L\d+: " + re.escape(r.answer_field) + r": (.+)$", obs or "", re.M)
             if not m:

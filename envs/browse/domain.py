@@ -107,13 +107,15 @@ class BrowseDomain(Domain):
         return self._nav(lambda: self._s().search(query, k))
 
     @tool
-    def open(self, url_or_id: str | None = None, cursor: int = 0) -> str:
+    def open(self, url_or_id: str | int | None = None, cursor: int = 0) -> str:
         """Open a page and show a window of its numbered lines; links appear as [text][n].
 
         Args:
-            url_or_id: a link or result number from what you last saw (e.g. "3"), or a URL such as http://browse.local/wiki/...; omit it to scroll the open page
+            url_or_id: a link or result number from what you last saw (e.g. 3), or a URL such as http://browse.local/wiki/...; omit it to scroll the open page
             cursor: the line to start the window at (0 = top)
         """
+        # `str | int`: models write open(3) as often as open("3"); both mean link 3 (a string of
+        # digits is never a URL here), so neither is a malformed call. See BrowseSession.open.
         if cursor < 0:
             raise ToolArgError(f"cursor must be >= 0, got {cursor}")
         return self._nav(lambda: self._s().open(url_or_id, cursor))

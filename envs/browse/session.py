@@ -98,7 +98,11 @@ class BrowseSession:
             if self.view is None or self.view.kind != "page":
                 raise BrowseInputError("no page is open: give a link number or a URL")
             return self._window(cursor)
-        if isinstance(target, int) or (isinstance(target, str) and target.strip().isdigit()):
+        # A link number arrives as an int (open(3)) or as digits in a string (open("3")): no URL
+        # or path is all digits, so both mean link 3. ASCII only: "²".isdigit() is True but int() refuses it.
+        if isinstance(target, bool):
+            raise BrowseInputError(f"open() takes a link number or a URL, got {target!r}")
+        if isinstance(target, int) or (isinstance(target, str) and target.strip().isascii() and target.strip().isdigit()):
             n = int(target)
             if self.view is None:
                 raise BrowseInputError("nothing to follow yet: search() first, or open a URL")

@@ -3,11 +3,12 @@
 `BwrapBackend` is imported lazily so that `from envs.sandbox import SandboxLimits` works on hosts
 without bubblewrap.
 """
-from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits, SandboxUnavailable
+from envs.sandbox.base import (CopyReport, ExecResult, Mount, PathStat, Sandbox, SandboxBackend, SandboxLimits,
+                               SandboxUnavailable)
 from envs.sandbox.safefs import ArtifactError
 
-__all__ = ["ArtifactError", "BwrapBackend", "BwrapConfig", "BwrapSandbox", "ExecResult", "Mount", "Sandbox",
-           "SandboxBackend", "SandboxLimits", "SandboxUnavailable"]
+__all__ = ["ArtifactError", "BwrapBackend", "BwrapConfig", "BwrapSandbox", "CopyReport", "ExecResult", "Mount", "PathStat",
+           "Sandbox", "SandboxBackend", "SandboxLimits", "SandboxUnavailable"]
 
 
 def __getattr__(name: str):

@@ -60,7 +60,8 @@ from pathlib import Path
 from typing import Mapping
 
 from envs.sandbox import hostctl, safefs
-from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits, SandboxUnavailable
+from envs.sandbox.base import (CopyReport, ExecResult, Mount, PathStat, Sandbox, SandboxBackend, SandboxLimits,
+                                SandboxUnavailable)
 from envs.sandbox.seccomp import compile_filter
 
 log = logging.getLogger(__name__)
@@ -203,16 +204,13 @@ class BwrapBackend(SandboxBackend):
                       limits: SandboxLimits = SandboxLimits(), mounts: tuple[Mount, ...] = (),
                       agent_dir: str = "/agent", max_agent_files: int = 10_000,
                       max_agent_file_bytes: int = 32 * MiB) -> "BwrapSandbox":
-        """A fresh sandbox for trusted checks, with the agent's files as read-only data at `agent_dir`.
+        """`SandboxBackend.open_pristine` (see its contract in base.py), the bubblewrap way.
 
-        `agent` is the episode's sandbox (killed first, then its regular files copied; symlinks and
-        special files are skipped, and files over the caps are left out rather than raising, listed
-        in `.agent_copy`), or a mapping of relative path -> bytes, or None. `files` (the
-        grader's tests, references) go into `/work`, owned by the pristine sandbox's uid. PATH is the
-        clean `/usr/local/bin:/usr/bin:/bin` from the host's read-only /usr, so nothing the agent
-        wrote can stand in for python3 or pytest unless the grader runs it explicitly. Do not put
-        `agent_dir` on PYTHONPATH wholesale (a planted sitecustomize.py would run); import or copy
-        the specific files you grade.
+        The root is the host's read-only `/usr` (PATH `/usr/local/bin:/usr/bin:/bin`), `files` go
+        into `/work` owned by the new sandbox's uid, and the agent's files are copied into a
+        host-root-owned directory bound read-only at `agent_dir`. From another `BwrapSandbox` the
+        copy walks its host-side work dir directly (`safefs.copy_tree_as_data`); from any other
+        `Sandbox` it goes through `list_artifacts` / `read_artifact`.
         """
         if isinstance(agent, Sandbox):
             agent.kill_all()
@@ -244,7 +242,7 @@ class BwrapBackend(SandboxBackend):
                         copied.append(rel)
                     except (safefs.ArtifactError, FileNotFoundError) as e:
                         skipped.append((rel, str(e)))
-                box.agent_copy = safefs.CopyReport(copied=tuple(copied), skipped=tuple(skipped))
+                box.agent_copy = CopyReport(copied=tuple(copied), skipped=tuple(skipped))
             elif isinstance(agent, Mapping):
                 for rel, data in agent.items():
                     safefs.write_file(str(dst), rel, data)
@@ -344,7 +342,7 @@ class BwrapSandbox(Sandbox):
         self._pidfd: int | None = None
         self._ctl: socket.socket | None = None
         self.restarts = 0  # namespaces started after the first (timeouts, killed executor)
-        self.agent_copy: safefs.CopyReport | None = None  # pristine sandboxes: what was copied to /agent
+        self.agent_copy: CopyReport | None = None  # pristine sandboxes: what was copied to /agent
 
         backend._sweep_slot(self.uid)  # whatever a crashed previous owner of this uid left behind
         self.slot_dir = self.config.state_dir / f"slot-{self.uid}"
@@ -733,9 +731,8 @@ class BwrapSandbox(Sandbox):
             raise RuntimeError(f"sandbox slot {self.uid} is closed")
         return safefs.read_file(str(self.workdir_host), path, max_bytes)
 
-    def stat_artifact(self, path: str) -> safefs.PathStat:
-        """Type, permission bits, size and owner of an agent entry, without following it (not in the
-        base interface yet: graders checking `chmod` tasks need it; see docs/sandbox.md)."""
+    def stat_artifact(self, path: str) -> PathStat:
+        """`Sandbox.stat_artifact`: an lstat of the entry under the host-side work dir (`safefs.stat_path`)."""
         if self._closed:
             raise RuntimeError(f"sandbox slot {self.uid} is closed")
         return safefs.stat_path(str(self.workdir_host), path)

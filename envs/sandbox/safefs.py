@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from typing import Iterator
+
+# The records are part of the sandbox interface (base.py); re-exported here for the functions' callers.
+from envs.sandbox.base import CopyReport, PathStat
+
+__all__ = ["ArtifactError", "CopyReport", "PathStat", "copy_tree_as_data", "iter_regular_files", "list_files",
+           "read_file", "split_relpath", "stat_path", "write_file"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -113,16 +118,6 @@ def read_file(root: str, path: str, max_bytes: int, *, inside_prefix: str = "/wo
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class PathStat:
-    """What `stat_path` reports about one entry (the entry itself: a symlink is reported as a link)."""
-
-    kind: str  # "file", "dir", "symlink", "fifo", "socket", "char", "block"
-    mode: int  # permission bits only (e.g. 0o755)
-    size: int
-    uid: int
-
-
 _KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"),
           (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "char"), (stat.S_ISBLK, "block"))
 
@@ -208,14 +203,6 @@ def iter_regular_files(root: str, max_files: int) -> Iterator[tuple[str, int, in
 def list_files(root: str, max_files: int) -> list[str]:
     """Sorted relative paths of the regular files under `root`."""
     return sorted(rel for rel, _, _ in iter_regular_files(root, max_files))
-
-
-@dataclass(frozen=True)
-class CopyReport:
-    """What `copy_tree_as_data` copied, and what it left out and why (a link, a cap)."""
-
-    copied: tuple[str, ...]
-    skipped: tuple[tuple[str, str], ...]  # (relative path or "*", reason)
 
 
 def copy_tree_as_data(src_root: str, dst_root: str, *, max_files: int, max_total_bytes: int,

@@ -14,7 +14,9 @@ def make_env(*, backend=None, sandbox_limits=None, **env_kwargs) -> ToolEnv:
 
 def register() -> None:
     from envs.registry import register as reg
-    from envs.terminal.tasks import ENV_ID, make_tasks
+    from envs.terminal.tasks import BASICS_ENV_ID, ENV_ID, make_basics_tasks, make_tasks
 
     reg(ENV_ID, make_env, make_tasks,
         description="shell tasks in a bubblewrap sandbox: text/JSON/CSV wrangling, archives, permissions, scripts, git, sqlite, logs, cron")
+    reg(BASICS_ENV_ID, make_env, make_basics_tasks,
+        description="one-command shell tasks (echo, wc, head, cp) in the same sandbox: the first rung of the terminal curriculum")

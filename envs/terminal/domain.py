@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from envs.base import Domain, EnvSetupError, ToolInvocation, ToolOutput
 from envs.sandbox.base import Sandbox, SandboxBackend, SandboxLimits
+from envs.terminal.basics import BASIC_FAMILIES
 from envs.terminal.families import FAMILIES
 from envs.terminal.grader import Grader
 from envs.tools import ToolContext, tool
@@ -28,6 +29,8 @@ from rewards import Rubric, Term, check, malformed_fraction
 # PATH matters: with PATH unset, bash falls back to a built-in search path that may include ".".
 AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb"}
 SETUP_TIMEOUT_S = 30.0
+ALL_FAMILIES = {**FAMILIES, **BASIC_FAMILIES}  # terminal-v0 and terminal-basics-v0 share this domain
+assert len(ALL_FAMILIES) == len(FAMILIES) + len(BASIC_FAMILIES), "family names must be unique across terminal env ids"
 
 
 @functools.lru_cache(maxsize=1)
@@ -58,7 +61,7 @@ class TerminalDomain(Domain):
 
     def setup(self, task: Task) -> None:
         family = task.private.get("family")
-        if family not in FAMILIES:
+        if family not in ALL_FAMILIES:
             raise EnvSetupError(f"task {task.id}: unknown terminal family {family!r}")
         self.teardown()
         self.sandbox = self.backend.open(limits=self.sandbox_limits)
@@ -104,7 +107,7 @@ class TerminalDomain(Domain):
     def check(self, task: Task, transcript: tuple[Message, ...]) -> Mapping[str, float]:
         if self.sandbox is None:
             raise RuntimeError("check() without a sandbox (set-up failed or the env was closed)")
-        family = FAMILIES[task.private["family"]]
+        family = ALL_FAMILIES[task.private["family"]]
         score = family.check(Grader(self.sandbox, self.backend, self.sandbox_limits), task.private["check"])
         return {"correct": float(score)}
 

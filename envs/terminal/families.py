@@ -453,10 +453,11 @@ class Permissions(Family):
             check={"expected": {p: m for p, m in expected.items()}})
 
     def check(self, g, data):
-        modes = g.modes()
+        # Host-side lstat of each file (Sandbox.stat_artifact): nothing runs in the agent's sandbox,
+        # and a symlink (even to a file with the right mode) or a missing file fails the task.
         for path, want in data["expected"].items():
-            kind, got = modes.get(path, ("?", -1))
-            if kind != "f" or got != want:
+            st = g.stat(path)
+            if st is None or st.kind != "file" or st.mode != want:
                 return 0.0
         return 1.0
 

@@ -9,16 +9,16 @@ environment, so nothing the agent placed in its work dir (a fake `python3`, a `.
 in their place. A file the agent did not produce, or produced as a symlink, is simply missing
 (the check fails, score 0); it is not a grading error.
 
-The one check that reads metadata in the agent's own sandbox is `modes()` (file permission
-bits): `read_artifact` returns bytes only, and the interface has no stat. It runs
-`/usr/bin/find -printf` from the read-only root after `kill_all`, with no shell, and parses the
-output as data. (A `stat_artifact` in the sandbox interface would remove this exception.)
+Metadata (file type, permission bits) comes from `Sandbox.stat_artifact`, a host-side lstat
+that never follows a link: nothing runs in the agent's sandbox after `kill_all`, so no program the
+agent planted or replaced (a fake `find`, `stat`) is ever consulted.
 """
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from envs.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxLimits
+from envs.sandbox.base import ExecResult, PathStat, Sandbox, SandboxBackend, SandboxLimits
+from envs.sandbox.safefs import ArtifactError
 
 TRUSTED_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LC_ALL": "C", "GIT_CONFIG_NOSYSTEM": "1"}
 
@@ -48,23 +48,22 @@ class Grader:
     def files(self) -> list[str]:
         return self.sandbox.list_artifacts()
 
-    def modes(self, under: str = ".") -> dict[str, tuple[str, int]]:
-        """Relative path -> (type letter from find's %y, permission bits) for everything under `under`."""
-        r = self.sandbox.run(["/usr/bin/find", under, "-mindepth", "1", "-printf", "%P\\t%y\\t%m\\n"],
-                             timeout_s=20.0, env=TRUSTED_ENV, cwd=self.sandbox.workdir_inside)
-        out: dict[str, tuple[str, int]] = {}
-        if r.exit_code != 0:
-            return out
-        for line in r.stdout.splitlines():
-            parts = line.split("\t")
-            if len(parts) == 3:
-                out[parts[0]] = (parts[1], int(parts[2], 8))
-        return out
+    def stat(self, path: str) -> PathStat | None:
+        """Type and permission bits of an agent entry (not followed), or None if missing or refused
+        (a symlinked parent directory, a path outside the work dir)."""
+        try:
+            return self.sandbox.stat_artifact(path)
+        except (FileNotFoundError, ArtifactError):
+            return None
 
     def run_fresh(self, files: Mapping[str, bytes], commands: Sequence[list[str]], *,
                   timeout_s: float = 20.0, stdin: bytes | None = None) -> list[ExecResult]:
-        """Run trusted argv commands in a fresh sandbox holding `files`; the sandbox is closed after."""
-        sb = self.backend.open(limits=self.limits, files=dict(files))
+        """Run trusted argv commands in a fresh grading sandbox holding `files`; it is closed after.
+
+        `files` are data the grader chose (the agent's script read with `read`, hidden inputs); the
+        sandbox is a pristine one with nothing of the agent's beyond them (`agent=None`).
+        """
+        sb = self.backend.open_pristine(agent=None, files=dict(files), limits=self.limits)
         try:
             return [sb.run(cmd, timeout_s=timeout_s, env=TRUSTED_ENV, cwd=sb.workdir_inside, stdin=stdin)
                     for cmd in commands]

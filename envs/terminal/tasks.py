@@ -11,15 +11,20 @@ from __future__ import annotations
 import base64
 import random
 
+from envs.terminal.basics import BASIC_FAMILIES
 from envs.terminal.families import FAMILIES, Family, Instance
 from envs.splits import split_by_hash
 from envs.splits import variant_key as _variant_key
 from envs.types import Limits, Message, Task
 
 ENV_ID = "terminal-v0"
+BASICS_ENV_ID = "terminal-basics-v0"
 HELDOUT_FRACTION = 0.2
 DEFAULT_N = {"train": 40 * len(FAMILIES), "heldout": 8 * len(FAMILIES)}
 LIMITS = Limits(max_turns=16, tool_timeout_s=10.0, episode_timeout_s=180.0, max_obs_chars=4000, max_arg_chars=20_000)
+# terminal-basics-v0: one command + submit per task; more held-out tasks so success rates are measurable.
+BASICS_DEFAULT_N = {"train": 200 * len(BASIC_FAMILIES), "heldout": 32 * len(BASIC_FAMILIES)}
+BASICS_LIMITS = Limits(max_turns=4, tool_timeout_s=5.0, episode_timeout_s=60.0, max_obs_chars=2000, max_arg_chars=2000)
 
 SYSTEM_PROMPT = (
     "You are working in a Linux shell inside a sandbox with no network access. Use the `bash` tool to run commands; "
@@ -48,20 +53,21 @@ def _encode_files(inst: Instance) -> list[dict]:
     return out
 
 
-def make_task(split: str, seed: int, index: int) -> Task:
-    families = list(FAMILIES.values())
+def make_task(split: str, seed: int, index: int, *, env_id: str = ENV_ID) -> Task:
+    basics = env_id == BASICS_ENV_ID
+    families = list((BASIC_FAMILIES if basics else FAMILIES).values())
     family = families[index % len(families)]
-    rng = random.Random(f"{ENV_ID}:{seed}:{split}:{family.name}:{index}")
+    rng = random.Random(f"{env_id}:{seed}:{split}:{family.name}:{index}")
     variant = rng.choice(split_variants(family)[split])
     inst = family.generate(rng, variant)
     return Task(
-        id=f"{ENV_ID}/{split}/s{seed}/{index:05d}-{family.name}",
+        id=f"{env_id}/{split}/s{seed}/{index:05d}-{family.name}",
         domain="terminal",
         prompt=(Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=inst.instruction)),
         public={"family": family.name, "files": _encode_files(inst), "setup": list(inst.setup)},
         private={"family": family.name, "variant": variant_key(family, variant), "check": inst.check,
                  "reference": list(inst.reference)},
-        limits=LIMITS,
+        limits=BASICS_LIMITS if basics else LIMITS,
         thinking="low",
         split=split,
     )
@@ -71,3 +77,9 @@ def make_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
     if split not in DEFAULT_N:
         raise ValueError(f"unknown split {split!r}; splits are: {', '.join(DEFAULT_N)}")
     return [make_task(split, seed, i) for i in range(DEFAULT_N[split] if n is None else n)]
+
+
+def make_basics_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
+    if split not in BASICS_DEFAULT_N:
+        raise ValueError(f"unknown split {split!r}; splits are: {', '.join(BASICS_DEFAULT_N)}")
+    return [make_task(split, seed, i, env_id=BASICS_ENV_ID) for i in range(BASICS_DEFAULT_N[split] if n is None else n)]

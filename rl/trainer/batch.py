@@ -108,10 +108,34 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
     )
 
 
-def token_logprobs(logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Logprob of each target token, aligned to targets: out[:, t] = log p(x_t | x_<t); out[:, 0] = 0."""
-    logp = torch.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
-    tgt = input_ids_BT[:, 1:].unsqueeze(-1)
-    out = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=logits_BTV.device)
-    out[:, 1:] = logp.gather(-1, tgt).squeeze(-1)
+def token_logprobs(logits_BWV: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Logprob of each target token, aligned to targets: out[:, t] = log p(x_t | x_<t); out[:, 0] = 0.
+
+    `logits_BWV` may hold only the last W <= T positions (a forward with `logits_to_keep=W`, see
+    `logits_window`): then targets before T - W + 1 have no logits and stay 0.
+    """
+    T, W = input_ids_BT.shape[1], logits_BWV.shape[1]
+    if W > T:
+        raise ValueError(f"token_logprobs: {W} logit positions for {T} tokens")
+    first = T - W + 1  # first target with a predicting logit
+    logp = torch.log_softmax(logits_BWV[:, :-1].float(), dim=-1)
+    tgt = input_ids_BT[:, first:].unsqueeze(-1)
+    out = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=logits_BWV.device)
+    out[:, first:] = logp.gather(-1, tgt).squeeze(-1)
     return out
+
+
+def logits_window(loss_mask_BT: torch.Tensor) -> int:
+    """How many trailing positions need logits so every loss-masked target gets its logprob.
+
+    Logits at position t - 1 predict token t, so the window starts one before the first masked
+    column of the micro-batch. Prompts (system prompt, tool schemas, task text) are most of an
+    agent episode's tokens and carry no loss: skipping their [T, V] logits and log-softmax is the
+    largest saving of the training step on a small-vocabulary model (measured in
+    scripts/bench_train.py). Returns T when nothing is masked (callers then need no logits).
+    """
+    T = loss_mask_BT.shape[1]
+    cols = torch.nonzero(loss_mask_BT.any(0)).flatten()
+    if cols.numel() == 0:
+        return T
+    return T - max(int(cols[0]) - 1, 0)

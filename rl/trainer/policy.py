@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from rl.log import get_logger
-from rl.trainer.batch import TrainBatch, token_logprobs
+from rl.trainer.batch import TrainBatch, logits_window, token_logprobs
 
 log = get_logger("trainer")
 
@@ -135,7 +135,9 @@ class PolicyTrainer:
         return self.engine.module
 
     def _forward(self, batch: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool):
-        kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT)
+        # Logits only where a loss-masked target needs them (the prompt carries no loss).
+        kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                  logits_to_keep=logits_window(batch.loss_mask_BT))
         if router_logits:
             kw["output_router_logits"] = True
         if self.replay_supported and replay_BTLK is not None:

@@ -1,25 +1,33 @@
 """Test doubles. `LocalBackend` implements the SandboxBackend interface with plain subprocesses in a temp
 dir: it is NOT a sandbox and exists only so framework tests (budgets, malformed output, registry) do not
 depend on bubblewrap. Terminal-domain tests that claim anything about isolation use the real backend.
+
+It follows the interface's data rules, though (artifacts go through `safefs`: no symlinks, regular
+files, caps), so code written against it behaves the same on the real backend. Each sandbox's temp dir
+is laid out like a tiny root: the work dir at `<tmp>/work` and, for `open_pristine`, the agent's copy
+at `<tmp>/<agent_dir>`, so `../agent/x` from the work dir names the same file as on bubblewrap (there
+is no mount namespace to put it at an absolute `/agent`).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Mapping
 
-from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits
+from envs.sandbox import safefs
+from envs.sandbox.base import CopyReport, ExecResult, Mount, PathStat, Sandbox, SandboxBackend, SandboxLimits
 
 
 class LocalSandbox(Sandbox):
     def __init__(self, limits: SandboxLimits) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="jointrl-fake-"))
+        self.base = Path(tempfile.mkdtemp(prefix="jointrl-fake-"))
+        self.root = self.base / "work"
+        self.root.mkdir()
         self.workdir_inside = str(self.root)
         self.limits = limits
         self.closed = False
@@ -43,31 +51,16 @@ class LocalSandbox(Sandbox):
                           duration_s=time.monotonic() - t0)
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        p = self.root / path
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-        os.chmod(p, mode)
+        safefs.write_file(str(self.root), path, data, mode, inside_prefix=self.workdir_inside)
 
     def read_artifact(self, path: str, max_bytes: int = 1_000_000) -> bytes:
-        fd = os.open(self.root / path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(f"{path}: not a regular file")
-            data = os.read(fd, max_bytes + 1)
-        finally:
-            os.close(fd)
-        if len(data) > max_bytes:
-            raise OSError(f"{path}: larger than {max_bytes} bytes")
-        return data
+        return safefs.read_file(str(self.root), path, max_bytes, inside_prefix=self.workdir_inside)
+
+    def stat_artifact(self, path: str) -> PathStat:
+        return safefs.stat_path(str(self.root), path, inside_prefix=self.workdir_inside)
 
     def list_artifacts(self, max_files: int = 10_000) -> list[str]:
-        out = []
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                p = Path(dirpath) / f
-                if p.is_file() and not p.is_symlink():
-                    out.append(str(p.relative_to(self.root)))
-        return sorted(out)[:max_files]
+        return safefs.list_files(str(self.root), max_files)
 
     def kill_all(self) -> None:
         self.kills += 1
@@ -75,7 +68,7 @@ class LocalSandbox(Sandbox):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            shutil.rmtree(self.root, ignore_errors=True)
+            shutil.rmtree(self.base, ignore_errors=True)
 
 
 class LocalBackend(SandboxBackend):
@@ -88,4 +81,37 @@ class LocalBackend(SandboxBackend):
         for p, d in (files or {}).items():
             sb.write_file(p, d)
         self.opened.append(sb)
+        return sb
+
+    def open_pristine(self, *, agent: Sandbox | Mapping[str, bytes] | None, files: Mapping[str, bytes] | None = None,
+                      limits: SandboxLimits = SandboxLimits(), mounts: tuple[Mount, ...] = (),
+                      agent_dir: str = "/agent", max_agent_files: int = 10_000,
+                      max_agent_file_bytes: int = 32 * 1024 * 1024) -> LocalSandbox:
+        """The interface's copy rules (kill first, regular files only, caps recorded); no pristine root."""
+        rel_dir = agent_dir.strip("/")
+        if not agent_dir.startswith("/") or not rel_dir or rel_dir.split("/")[0] == "work" or ".." in rel_dir.split("/"):
+            raise ValueError(f"agent_dir must be an absolute path outside the work dir, got {agent_dir!r}")
+        if isinstance(agent, Sandbox):
+            agent.kill_all()
+        sb = self.open(limits=limits, files=files, mounts=mounts)
+        dst = sb.base / rel_dir
+        dst.mkdir(parents=True)
+        if isinstance(agent, Sandbox):
+            copied, skipped = [], []
+            try:
+                rels = agent.list_artifacts(max_files=max_agent_files)
+            except safefs.ArtifactError as e:
+                rels, skipped = [], [("*", str(e))]
+            for rel in rels:
+                try:
+                    safefs.write_file(str(dst), rel, agent.read_artifact(rel, max_bytes=max_agent_file_bytes))
+                    copied.append(rel)
+                except (safefs.ArtifactError, FileNotFoundError) as e:
+                    skipped.append((rel, str(e)))
+            sb.agent_copy = CopyReport(copied=tuple(copied), skipped=tuple(skipped))
+        elif isinstance(agent, Mapping):
+            for rel, data in agent.items():
+                safefs.write_file(str(dst), rel, data)
+        elif agent is not None:
+            raise TypeError(f"agent must be a Sandbox, a mapping of path -> bytes or None, got {type(agent).__name__}")
         return sb

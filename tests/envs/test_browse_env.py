@@ -187,6 +187,39 @@ def test_tool_errors_are_messages_for_the_agent(built, all_tasks):
     assert all(len(o) <= task.limits.max_obs_chars for o in outs)
 
 
+def test_open_takes_a_result_number_as_int_or_string(built, all_tasks):
+    """open(3) and open("3") follow the same link; neither is a malformed call (browse-v0 `str | int`)."""
+    task = all_tasks[0]
+    schema = next(t for t in _env(built).tool_schemas if t["function"]["name"] == "open")
+    assert schema["function"]["parameters"]["properties"]["url_or_id"]["type"] == ["integer", "string"]
+    search = ToolInvocation("search", {"query": "river", "k": 3})
+    outs_by_kind = {}
+    for arg in (2, "2", " 2 "):
+        env = _env(built)
+        g, outs = _run(env, task, [search, ToolInvocation("open", {"url_or_id": arg}), ToolInvocation("answer", {"text": "x"})])
+        assert g.metrics["malformed_calls"] == 0 and g.metrics["check/nav_errors"] == 0, outs
+        assert outs[1].startswith("Title: ") and g.metrics["check/pages_opened"] == 1
+        outs_by_kind[repr(arg)] = outs[1]
+    assert len(set(outs_by_kind.values())) == 1  # the same page, whichever way the number was written
+    hit = re.search(r"\[[^\]]*\]\[2\] (http://\S+)", outs[0])
+    assert hit and f"URL: {hit.group(1)}" in outs[1]  # and it is result 2 of the list
+
+
+@pytest.mark.parametrize("arg, malformed, error", [
+    (True, 1, "must be string or integer or null, got boolean"),  # bool is not a number: schema refuses
+    (2.0, 1, "must be string or integer or null, got number"),
+    ([2], 1, "must be string or integer or null, got array"),
+    ("²", 0, "Error: open() takes a link number from the current page"),  # not ASCII digits: not a number
+    (0, 0, "Error: there is no link [0] in the current view (links 1-3)"),
+])
+def test_open_refuses_what_is_neither_a_number_nor_a_url(built, all_tasks, arg, malformed, error):
+    env = _env(built)
+    g, outs = _run(env, all_tasks[0], [ToolInvocation("search", {"query": "river", "k": 3}),
+                                       ToolInvocation("open", {"url_or_id": arg}), ToolInvocation("answer", {"text": "x"})])
+    assert error in outs[1] and g.metrics["malformed_calls"] == malformed
+    assert g.metrics["check/pages_opened"] == 0
+
+
 def test_server_serves_pages_and_search_on_loopback_only(built):
     with pytest.raises(ValueError, match="loopback"):
         BrowseServer(built.corpus, SearchIndex(built.index_path), host="0.0.0.0")
