@@ -274,5 +274,13 @@ def _first_tool_with_param(env: ToolEnv) -> tuple[str, tuple[str, dict] | None]:
 
 
 def _wrong_value(prop: dict) -> Any:
-    return {"string": 12345, "integer": "twelve", "number": "twelve", "boolean": "yes", "array": {"a": 1},
-            "object": [1, 2]}.get(prop.get("type"), None)
+    """A value of the wrong JSON type for a parameter schema (a union's types are all avoided)."""
+    types = prop.get("type")
+    if types is None and "anyOf" in prop:
+        types = [t for arm in prop["anyOf"] for t in ([arm["type"]] if isinstance(arm.get("type"), str) else arm.get("type", []))]
+    allowed = set([types] if isinstance(types, str) else types or [])
+    for value, kinds in (({"a": 1}, {"object"}), ([1, 2], {"array"}), ("twelve", {"string"}), (12345, {"integer", "number"}),
+                         (True, {"boolean"})):
+        if not kinds & allowed:
+            return value
+    return None

@@ -99,9 +99,8 @@ def run_in_sandbox(backend: SandboxBackend, lib: L.Library, tree: Mapping[str, b
                    pristine: bool = True) -> SuiteResult:
     """Run the whole suite on `tree` in a fresh sandbox; `ok=False` if it produced no results."""
     out = f".swe-result-{secrets.token_hex(8)}.json"
-    opener = backend.open_pristine if pristine and hasattr(backend, "open_pristine") else None
-    if opener is not None:
-        sb = opener(agent=None, files=dict(tree), limits=limits, mounts=test_mounts())
+    if pristine:  # a fresh root; nothing of the agent's sandbox but the tree given here
+        sb = backend.open_pristine(agent=None, files=dict(tree), limits=limits, mounts=test_mounts())
     else:
         sb = backend.open(limits=limits, files=dict(tree), mounts=test_mounts())
     try:

@@ -321,3 +321,17 @@ def test_unsupported_literals_and_union_arms_are_definition_errors():
         build_spec(bad_literal)
     with pytest.raises(ToolDefinitionError, match="not supported"):
         build_spec(bad_arm)
+
+
+def test_conformance_checker_wrong_value_violates_union_schemas():
+    """envs.check sends a wrong-typed argument; for a union parameter it must avoid every arm."""
+    import jsonschema
+
+    from envs.check import _wrong_value
+
+    for prop in ({"type": "string"}, {"type": "integer"}, {"type": ["integer", "string"]},
+                 {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "string"}]},
+                 {"type": ["integer", "string", "object"]}):
+        v = _wrong_value(prop)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(v, prop)
