@@ -73,6 +73,10 @@ class RolloutSection:
     thinking_budgets: dict[str, int] = field(default_factory=lambda: {"low": 64, "high": 256, "max": -1})  # -1 = no cap
     max_concurrent_episodes: int = 32
     gpu_memory_utilization: float = 0.85
+    # Per-request sampling seeds derived from (run seed, step, task, sample, turn), so a resumed run
+    # replays the same rollouts. On CPU this turns chunked prefill off (and prefix caching for hybrid
+    # models: ~1.2x slower rollouts there); see docs/rollout.md "Determinism".
+    seeded_requests: bool = True
 
 
 @dataclass
@@ -128,6 +132,9 @@ class TrainerSection:
     max_staleness: int = 1
     sync_bucket_mb: int = 64
     sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
+    # auto: /dev/shm when every rollout worker shares the trainer's node (and it has room), else Ray's
+    # object store; $JOINTRL_SYNC_TRANSPORT overrides (docs/rollout.md, weight sync)
+    sync_transport: Literal["auto", "shm", "object_store"] = "auto"
     checkpoint_every: int = 0  # 0 = only at the end
     resume: bool = True
 

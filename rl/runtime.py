@@ -63,6 +63,7 @@ class EvalRow:
     reward: float
     tokens: float
     turns: float
+    samples: int = 1  # episodes per task; n x samples episodes in all
 
 
 class Runtime:
@@ -133,6 +134,9 @@ class Runtime:
                                 run_name=cfg.name, config=to_dict(cfg))
         if resume:
             self._resume()
+            # The engine started from the checkpoint's full-precision export; an uninterrupted run's
+            # engine holds what the last sync sent (bf16 / MXFP4 differ), so send it the same way.
+            self.sync_weights()
 
     def _with_defaults(self, t: Task, tier: str) -> Task:
         from dataclasses import replace
@@ -186,6 +190,11 @@ class Runtime:
             self.rollout_engine.shutdown()
         except Exception:  # noqa: BLE001
             pass
+        if getattr(self, "trainer", None) is not None:
+            try:  # remove the /dev/shm sync area now (its reaper would, moments after the actor dies)
+                ray.get(self.trainer.close_sync.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
         for a in self._actors:
             try:
                 ray.kill(a)
@@ -207,7 +216,7 @@ class Runtime:
         return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
                             temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                             thinking_budgets=dict(r.thinking_budgets), max_turns=self.cfg.envs.max_turns,
-                            end_token_id=self.chat.IM_END_ID)
+                            end_token_id=self.chat.IM_END_ID, per_request_seed=r.seeded_requests)
 
     def _run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
         from rl.rollout.agent_loop import BatchingGenerator, run_groups
@@ -223,12 +232,15 @@ class Runtime:
 
         return asyncio.run(go())
 
-    def rollout(self, tasks: Sequence[Task]) -> tuple[list[RolloutGroup], dict[str, float]]:
+    def rollout(self, tasks: Sequence[Task], step: int) -> tuple[list[RolloutGroup], dict[str, float]]:
+        """G episodes per task. Sampling seeds depend on (run seed, step, task, sample, turn) only, so
+        a run resumed at `step` replays what an uninterrupted run would (docs/rollout.md, Determinism)."""
+        from rl.rollout.agent_loop import rollout_seed
         from rl.telemetry import rollout_metrics
 
         t0 = time.perf_counter()
         G = self.cfg.algorithm.group_size
-        eps = self._run_groups(tasks, G, seed=self.cfg.envs.seed * 7919 + self.policy_version)
+        eps = self._run_groups(tasks, G, seed=rollout_seed(self.cfg.envs.seed, step))
         groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
         m = rollout_metrics(groups, self.tok, policy_version=self.policy_version)
         m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
@@ -268,7 +280,7 @@ class Runtime:
 
         from rl.sft import reference_episodes
 
-        per_domain = max(4, self.cfg.trainer.tasks_per_step * 4)
+        per_domain = self.cfg.trainer.sft_tasks_per_domain or max(4, self.cfg.trainer.tasks_per_step * 4)
         tasks = [t for d in self.domains for t in self.train_tasks[d][:per_domain]]
         eps = asyncio.run(reference_episodes(tasks, self._make_env, self.tok, self.chat, max_concurrent=self.cfg.envs.sandbox_slots))
         if not eps:
@@ -293,20 +305,31 @@ class Runtime:
         return {**m, "sft/trajectories": float(len(eps))}
 
     def sync_weights(self) -> dict[str, float]:
-        """Trainer -> rollout engines, bucketed through Ray's object store (never through the driver)."""
+        """Trainer -> rollout engines, never through the driver's memory.
+
+        Same-node workers read the trainer's /dev/shm area (only a small index crosses Ray); otherwise
+        the buckets go through Ray's object store (rl/weights.py, "same-node transport").
+        $JOINTRL_SYNC_TRANSPORT=shm|object_store forces one.
+        """
         import ray
+
+        from rl.weights import ShmBucket, requested_transport
 
         t0 = time.perf_counter()
         version = ray.get(self.trainer.version.remote())
-        # Bucket refs owned by the trainer: the payload goes trainer -> object store -> workers.
-        bucket_refs = ray.get(self.trainer.export_weights.remote(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format))
+        transport = requested_transport(self.cfg.trainer.sync_transport)
+        readers = self.rollout_engine.reader_nodes() if transport == "auto" else []
+        # Bucket refs (or shm indexes) owned by the trainer: the payload never passes through the driver.
+        bucket_refs = ray.get(self.trainer.export_weights.remote(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format,
+                                                                 transport, readers))
         t_export = time.perf_counter()
         stats = self.rollout_engine.update_weights(bucket_refs, version)
         self.policy_version = version
         dt = time.perf_counter() - t0
         nbytes = float(max((s.num_bytes for s in stats), default=0))
         return {"sync/seconds": dt, "sync/export_s": t_export - t0, "sync/load_s": max((s.seconds for s in stats), default=0.0),
-                "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9), "sync/buckets": float(len(bucket_refs))}
+                "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9), "sync/buckets": float(len(bucket_refs)),
+                "sync/shm": float(any(isinstance(b, ShmBucket) for b in bucket_refs))}
 
     def measure_gap(self, groups: Sequence[RolloutGroup], n: int = 4) -> dict[str, float]:
         """Engine vs trainer logprobs of the same generated tokens under the same (new) weights."""
@@ -330,7 +353,9 @@ class Runtime:
 
     # ------------------------------------------------------------------ eval, logging, checkpoints
     def evaluate(self, label: str, n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
-        n = n_per_domain or max(2, self.cfg.trainer.tasks_per_step)
+        """Held-out success per domain (and tier): `eval.samples` episodes per task at `eval.temperature`."""
+        ev = self.cfg.eval
+        n = n_per_domain or ev.n_per_domain or max(2, self.cfg.trainer.tasks_per_step)
         rows: list[EvalRow] = []
         for d in self.domains:
             for tier in tiers or (None,):
@@ -339,8 +364,8 @@ class Runtime:
                     from dataclasses import replace
 
                     tasks = [replace(t, thinking=tier) for t in tasks]
-                eps = [g[0] for g in self._run_groups(tasks, 1, temperature=0.0, seed=12345)]
-                rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(eps),
+                eps = [e for g in self._run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed) for e in g]
+                rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(tasks), samples=ev.samples,
                                     success=float(np.mean([e.reward >= 1.0 for e in eps])) if eps else 0.0,
                                     reward=float(np.mean([e.reward for e in eps])) if eps else 0.0,
                                     tokens=float(np.mean([sum(e.loss_mask) for e in eps])) if eps else 0.0,

@@ -185,3 +185,24 @@ def ratio_metrics(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask
         out[f"pg/ratio_mean/{d}"] = float(r.mean())
         out[f"pg/neg_logprob_mean/{d}"] = float(-logprobs_BT.double()[m].mean())
     return out
+
+
+def time_breakdown(groups: Sequence[RolloutGroup], *, step_s: float, rollout_s: float, train_busy_s: float,
+                   sync_s: float) -> dict[str, float]:
+    """Where one driver step's wall time went: rollout (split into generation / tools / grading),
+    training, weight sync, and how long the trainer and the rollout engines sat idle.
+
+    Episodes of a step run concurrently, so the rollout phase's wall time is split in the ratio of
+    the episodes' summed generate / tool / grade seconds (agent_loop records them per episode).
+    In async mode the update of step n runs during the rollout of step n+1: then train and rollout
+    overlap, and the idle figures show what the overlap saved.
+    """
+    eps = [e for g in groups for e in g.episodes]
+    parts = {k: sum(float(e.metrics.get(f"time_{k}_s", 0.0)) for e in eps) for k in ("generate", "tools", "grade")}
+    total = sum(parts.values())
+    out = {"time/rollout_s": rollout_s, "time/train_s": train_busy_s, "time/sync_s": sync_s, "time/step_s": step_s}
+    for k, v in parts.items():
+        out[f"time/rollout_{k}_s"] = rollout_s * v / total if total > 0 else 0.0
+    out["time/trainer_idle_s"] = max(step_s - train_busy_s - sync_s, 0.0)
+    out["time/rollout_idle_s"] = max(step_s - rollout_s - sync_s, 0.0)
+    return out

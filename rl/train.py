@@ -15,6 +15,7 @@ import torch
 from rl.config import RunConfig
 from rl.log import get_logger, progress, setup_logging
 from rl.metrics import progress_text
+from rl.telemetry import time_breakdown
 from rl.types import RolloutGroup, StepMetrics
 
 log = get_logger("train")
@@ -73,7 +74,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         for step in bar:
             t0 = time.perf_counter()
             tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
-            groups, roll_m = rt.rollout(tasks)                                 # roll out G episodes per task (graded in-env)
+            groups, roll_m = rt.rollout(tasks, step)                           # roll out G episodes per task (graded in-env)
             t_roll = time.perf_counter()
             kept, ds_m = dynamic_sampling(groups, cfg.algorithm.dynamic_sampling)
             rt.sampler.observe({d: 1.0 - v for d, v in
@@ -94,9 +95,10 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                     sync_m = rt.sync_weights()                                 # push the new weights to the rollout engines
             t_train = time.perf_counter()
             gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
-            values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m,
-                      "time/rollout_s": t_roll - t0, "time/train_and_sync_s": t_train - t_roll,
-                      "time/step_s": time.perf_counter() - t0, "policy/version": float(rt.policy_version)}
+            time_m = time_breakdown(groups, step_s=time.perf_counter() - t0, rollout_s=t_roll - t0,
+                                    train_busy_s=train_m.get("train/busy_s", 0.0), sync_s=sync_m.get("sync/seconds", 0.0))
+            values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m, **time_m,
+                      "time/train_and_sync_wait_s": t_train - t_roll, "policy/version": float(rt.policy_version)}
             values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
             rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
             bar.set_postfix_str(progress_text(step, cfg.trainer.steps, values, elapsed_s=time.perf_counter() - t_run,

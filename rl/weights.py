@@ -37,18 +37,35 @@ per weight), everything else (routers, norms, embeddings, attention) in `mxfp4_r
 receiver dequantizes (`unpack_bucket(..., dequant_dtype=...)`), because vLLM's loaders do not take
 MXFP4 for these architectures.
 
-What this module does not do: send anything (the rollout worker / dispatcher do), load anything into
-an engine (rl/rollout/engine.py), or handle tensor-parallel shards.
+Transports (section "same-node transport" below): `WeightExporter` (trainer side) writes a sync
+either as buckets for Ray's object store (the above) or, when every reader is on the trainer's node,
+into a double-buffered, versioned /dev/shm area it owns (`ShmSyncArea`), sending only the index
+(`ShmBucket`); the worker reads it in place through `ShmReader`. `plan_sync` encodes once, before the
+transport is chosen.
+
+What this module does not do: send anything through Ray (the trainer actor, dispatcher and rollout
+worker do), load anything into an engine (rl/rollout/engine.py), or handle tensor-parallel shards.
 """
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
 import re
+import secrets
+import subprocess
+import sys
+import time
 import warnings
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
+
+from rl.log import get_logger
 
 if TYPE_CHECKING:
     from model.mxfp4_export import SyncBytes
@@ -430,6 +447,56 @@ def pack_bucket(tensors: Mapping[str, torch.Tensor], *, copy: bool = True) -> We
                           for n, t in tensors.items()], copy)
 
 
+@dataclass(frozen=True)
+class SyncPlan:
+    """One sync, encoded and bucketed but not yet written anywhere: what both transports start from.
+
+    Encoding (cast decisions, MXFP4 quantisation, checkpoint names) happens once here, so choosing a
+    transport after seeing the size costs nothing and a NaN is refused before any buffer is touched.
+    """
+
+    buckets: tuple[tuple[_Source, ...], ...]
+
+    @property
+    def bucket_nbytes(self) -> tuple[int, ...]:
+        """Bytes each bucket takes in a flat buffer (parts 64-byte aligned)."""
+        return tuple(_bucket_nbytes(b) for b in self.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bucket_nbytes)
+
+    def to_buckets(self, *, copy: bool = True, staging: SyncStaging | None = None) -> list[WeightBucket]:
+        """In-process buckets (module docstring: copy / staging semantics)."""
+        if staging is not None and not copy:
+            raise WeightSyncError("make_buckets: a staging area is only used with copy=True")
+        return [_pack_sources(srcs, copy, None if staging is None else staging.get(i, _bucket_nbytes(srcs)))
+                for i, srcs in enumerate(self.buckets)]
+
+
+def plan_sync(
+    state_dict: Mapping[str, torch.Tensor],
+    model_type: str,
+    bucket_mb: float = 64.0,
+    *,
+    tie_word_embeddings: bool = False,
+    fmt: str = "keep",
+    mxfp4_rest: str = "fp32",
+) -> SyncPlan:
+    """Encode a trainer (in-memory) state dict in sync format `fmt` and group it into unit-preserving buckets."""
+    if fmt not in SYNC_FORMATS:
+        raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {SYNC_FORMATS}")
+    if mxfp4_rest not in ("fp32", "bf16"):
+        raise WeightSyncError(f"mxfp4_rest must be 'fp32' or 'bf16', got {mxfp4_rest!r}")
+    sources: dict[str, _Source] = {}
+    for name, t in state_dict.items():
+        if tie_word_embeddings and name == "lm_head.weight":
+            continue
+        sources[name] = _encode(name, t, model_type, fmt, mxfp4_rest)
+    plan = plan_buckets({n: s.nbytes for n, s in sources.items()}, bucket_mb)
+    return SyncPlan(buckets=tuple(tuple(sources[n] for n in names) for names in plan))
+
+
 def make_buckets(
     state_dict: Mapping[str, torch.Tensor],
     model_type: str,
@@ -447,23 +514,10 @@ def make_buckets(
     "bf16"). `copy=True`: each bucket is one flat buffer (gathered into `staging` if given, which the
     buckets then alias); `copy=False`: buffers alias `state_dict`'s memory (module docstring).
     """
-    if fmt not in SYNC_FORMATS:
-        raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {SYNC_FORMATS}")
-    if mxfp4_rest not in ("fp32", "bf16"):
-        raise WeightSyncError(f"mxfp4_rest must be 'fp32' or 'bf16', got {mxfp4_rest!r}")
     if staging is not None and not copy:
         raise WeightSyncError("make_buckets: a staging area is only used with copy=True")
-    sources: dict[str, _Source] = {}
-    for name, t in state_dict.items():
-        if tie_word_embeddings and name == "lm_head.weight":
-            continue
-        sources[name] = _encode(name, t, model_type, fmt, mxfp4_rest)
-    plan = plan_buckets({n: s.nbytes for n, s in sources.items()}, bucket_mb)
-    out = []
-    for i, names in enumerate(plan):
-        srcs = [sources[n] for n in names]
-        out.append(_pack_sources(srcs, copy, None if staging is None else staging.get(i, _bucket_nbytes(srcs))))
-    return out
+    plan = plan_sync(state_dict, model_type, bucket_mb, tie_word_embeddings=tie_word_embeddings, fmt=fmt, mxfp4_rest=mxfp4_rest)
+    return plan.to_buckets(copy=copy, staging=staging)
 
 
 def total_bytes(buckets: Iterable[WeightBucket]) -> int:
@@ -572,6 +626,20 @@ def _dequantize_run(bucket: WeightBucket, u8: list[torch.Tensor], run: list[int]
 _SYNC_FORMATS_TRAINER = ("fp32", "bf16", "mxfp4")
 
 
+def _trainer_plan(module: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]], bucket_mb: float, fmt: str,
+                  mxfp4_rest: str) -> SyncPlan:
+    if fmt not in _SYNC_FORMATS_TRAINER:
+        raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {_SYNC_FORMATS_TRAINER}")
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        raise WeightSyncError(f"export_buckets: {type(module).__name__} has no .config (need model_type / tie_word_embeddings)")
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    persistent = set(module.state_dict().keys())
+    kept = {n: t for n, t in named_weights if n in persistent}
+    return plan_sync(kept, cfg.model_type, bucket_mb, tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
+                     fmt=fmt, mxfp4_rest=mxfp4_rest)
+
+
 def export_buckets(
     module: torch.nn.Module,
     named_weights: Iterable[tuple[str, torch.Tensor]],
@@ -591,16 +659,7 @@ def export_buckets(
     `copy=False`: buckets alias the weights; `staging`: buckets alias that reused gather area. Either
     way the caller must serialise them (`ray.put`) before the weights change / the next export.
     """
-    if fmt not in _SYNC_FORMATS_TRAINER:
-        raise WeightSyncError(f"sync format {fmt!r} is not supported; use one of {_SYNC_FORMATS_TRAINER}")
-    cfg = getattr(module, "config", None)
-    if cfg is None:
-        raise WeightSyncError(f"export_buckets: {type(module).__name__} has no .config (need model_type / tie_word_embeddings)")
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    persistent = set(module.state_dict().keys())
-    kept = {n: t for n, t in named_weights if n in persistent}
-    return make_buckets(kept, cfg.model_type, bucket_mb, tie_word_embeddings=bool(getattr(text_cfg, "tie_word_embeddings", False)),
-                        fmt=fmt, mxfp4_rest=mxfp4_rest, copy=copy, staging=staging)
+    return _trainer_plan(module, named_weights, bucket_mb, fmt, mxfp4_rest).to_buckets(copy=copy, staging=staging)
 
 
 def engine_dtype(name: str | None) -> torch.dtype | None:
@@ -609,3 +668,508 @@ def engine_dtype(name: str | None) -> torch.dtype | None:
         return None
     return _dtype(str(name))
 
+
+
+# ----------------------------------------------------------------------------- same-node transport: shared memory
+# Why: through Ray's object store a sync costs one copy into freshly created plasma objects per sync
+# (0.36x memcpy for fp32 on `small`, docs/rollout.md). A trainer-owned file in /dev/shm that persists
+# across syncs is written warm (one gather copy, the cast fused in) and mapped once by each worker;
+# Ray then carries only the index (entries + file + generation + offsets, a few KB).
+#
+# Consistency (a worker must never read bytes the trainer is rewriting), in three layers:
+# 1. Double buffering: sync g goes to slot g % 2, so the trainer writing sync g+1 never touches the
+#    slot workers read sync g from.
+# 2. Locks: a writer takes flock(LOCK_EX) on the slot file and waits (up to `busy_timeout_s`, then
+#    raises) while any reader holds flock(LOCK_SH); a reader takes LOCK_SH without waiting and refuses
+#    if the writer holds the slot. The kernel drops the locks of a process that dies.
+# 3. A seqlock word in the header: 2g while generation g is complete, 2g+1 while it is being written.
+#    The reader checks it equals 2g before building tensors and again after the engine has copied
+#    them; anything else (a stale index replayed after the slot moved on, a writer that bypassed the
+#    lock) raises `ShmSyncError` naming both generations, never loads silently.
+#
+# Files are named `jointrl-sync-<pid>-<process start time>-<token>-<slot>`: a file whose owner pid is
+# dead, or alive with another start time (pid reuse), is stale and removed when the next area starts.
+# Against an owner killed without running Python cleanup (`ray.kill` exits at once, no atexit), each
+# area starts a tiny reaper process that blocks on a pipe only the owner holds; when the owner dies,
+# the pipe closes and the reaper unlinks the files (mappings already held by workers stay valid).
+#
+# Not covered: workers on another node (the object-store path is chosen instead), and a dispatcher
+# restarting a worker on another node while the last sync went through shm (the replay refuses loudly).
+log = get_logger("weights")
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "jointrl-sync-"
+TRANSPORT_ENV = "JOINTRL_SYNC_TRANSPORT"  # auto | shm | object_store: overrides transport="auto" without a config key
+Transport = Literal["auto", "shm", "object_store"]
+TRANSPORTS: tuple[str, ...] = ("auto", "shm", "object_store")
+_MAGIC = int.from_bytes(b"JRLSYNC1", "little")
+_HEADER = 4096  # one page: payloads start page-aligned
+_PAGE = 4096
+_H_MAGIC, _H_SEQ, _H_PAYLOAD, _H_PID = 0, 1, 2, 3  # uint64 words of the header
+_SHM_MARGIN = 64 << 20  # leave this much of /dev/shm free (Ray's object store lives there too)
+
+
+class ShmSyncError(WeightSyncError):
+    """A shared-memory sync that cannot be read or written safely (torn, stale, busy, missing, foreign node)."""
+
+
+class ShmSpaceError(ShmSyncError):
+    """/dev/shm has no room for a slot (the automatic choice then falls back to the object store)."""
+
+
+@dataclass(frozen=True)
+class ShmSlot:
+    """Where one sync's bytes live: a slot file on `node_id`, holding generation `generation`."""
+
+    path: str
+    node_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class ShmBucket:
+    """The index of one bucket in a slot file: what crosses Ray for a shared-memory sync.
+
+    Segments of `entries` are relative to the bucket's own bytes [offset, offset + nbytes) of the
+    file (buffer 0), exactly as in a one-buffer `WeightBucket`.
+    """
+
+    entries: tuple[TensorEntry, ...]
+    slot: ShmSlot
+    offset: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.offset < _HEADER or self.offset % _PAGE or self.nbytes < 0:
+            raise WeightSyncError(f"ShmBucket: offset {self.offset} must be page-aligned past the header, nbytes {self.nbytes} >= 0")
+        for e in self.entries:
+            for p in e.parts:
+                if p.buffer != 0 or p.offset < 0 or p.offset + p.nbytes > self.nbytes:
+                    raise WeightSyncError(f"{e.name}: segment {p} outside the bucket's {self.nbytes} bytes")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+
+def _round_page(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22), None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm (field 2) may contain spaces and ')': fields after the last ')' start at field 3
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def _parse_shm_name(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of an area file name `jointrl-sync-<pid>-<start>-<token>-<slot>`, None if not ours."""
+    if not name.startswith(SHM_PREFIX):
+        return None
+    parts = name[len(SHM_PREFIX):].split("-")
+    if len(parts) != 4 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def sweep_stale_shm(directory: str = SHM_DIR) -> list[str]:
+    """Remove area files whose owner process is gone (dead pid, or a reused pid with another start time)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        owner = _parse_shm_name(name)
+        if owner is None or _proc_start_time(owner[0]) == owner[1]:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:  # another sweeper got it
+            pass
+    if removed:
+        log.info("removed %d stale weight-sync files in %s: %s", len(removed), directory, removed)
+    return removed
+
+
+# The reaper: blocks on its stdin (a pipe only the owner holds) and, at EOF (owner exited or died),
+# removes the owner's files. It is a grandchild in its own session: Ray kills an exiting worker's
+# direct children (RAY_kill_child_processes_on_worker_exit, on by default; seen killing a direct-child
+# reaper under `ray.kill` in the e2e test), not its grandchildren, and a signal to the owner's
+# process group does not reach another session. A launcher (the direct child) starts it and exits.
+_REAPER = ("import os,sys\n"
+           "sys.stdin.buffer.read()\n"
+           "d,p=sys.argv[1],sys.argv[2]\n"
+           "for n in os.listdir(d):\n"
+           "    if n.startswith(p):\n"
+           "        try: os.unlink(os.path.join(d,n))\n"
+           "        except FileNotFoundError: pass\n")
+_LAUNCHER = ("import subprocess,sys\n"
+             "subprocess.Popen([sys.executable,'-c',sys.argv[1]]+sys.argv[2:],stdin=0,stdout=subprocess.DEVNULL,"
+             "start_new_session=True,close_fds=True)\n")
+
+
+def _close_area(paths: list[str], reaper: "subprocess.Popen | None") -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+    if reaper is not None and reaper.stdin is not None:
+        try:
+            reaper.stdin.close()
+            reaper.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - interpreter shutdown; the reaper exits at EOF anyway
+            pass
+
+
+@dataclass
+class _WriterSlot:
+    path: str
+    fd: int
+    size: int
+    mm: mmap.mmap
+    u8: np.ndarray  # [size] writable view of the mapping
+    hdr: np.ndarray  # [4] uint64 header words
+
+
+class ShmSyncArea:
+    """Trainer-side: a double-buffered, versioned staging area in /dev/shm (see the section comment).
+
+    `write(plan)` gathers (and casts) every bucket of a sync into the next slot and returns the
+    `ShmBucket` index; the bytes stay valid until the export after next. `fits(plan)` says whether
+    /dev/shm has room. `close()` unlinks the files (also run by a finalizer, and by the reaper if the
+    process dies without Python cleanup).
+    """
+
+    def __init__(self, node_id: str = "", directory: str = SHM_DIR, *, n_slots: int = 2, busy_timeout_s: float = 60.0,
+                 reaper: bool = True) -> None:
+        if n_slots < 2:
+            raise WeightSyncError(f"ShmSyncArea: n_slots must be >= 2 (double buffering), got {n_slots}")
+        if not os.path.isdir(directory):
+            raise ShmSyncError(f"ShmSyncArea: {directory} is not a directory")
+        sweep_stale_shm(directory)
+        pid = os.getpid()
+        self.node_id = node_id
+        self.directory = directory
+        self.busy_timeout_s = busy_timeout_s
+        self.prefix = f"{SHM_PREFIX}{pid}-{_proc_start_time(pid) or 0}-{secrets.token_hex(4)}-"
+        self.generation = 0
+        self._slots: list[_WriterSlot | None] = [None] * n_slots
+        self._paths: list[str] = []  # shared with the finalizer: the files to unlink
+        self._reaper = None
+        if reaper:  # the launcher hands the pipe's read end to the reaper and exits; we keep the write end
+            self._reaper = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _REAPER, directory, self.prefix],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
+            self._reaper.wait(timeout=60)
+        self._finalizer = weakref.finalize(self, _close_area, self._paths, self._reaper)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(self._paths)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.size for s in self._slots if s is not None)
+
+    def _need(self, plan: SyncPlan) -> int:
+        return _HEADER + sum(_round_page(n) for n in plan.bucket_nbytes)
+
+    def fits(self, plan: SyncPlan) -> tuple[bool, str]:
+        """Room in /dev/shm for every slot at this plan's size (plus a margin): (ok, why not)."""
+        need = self._need(plan)
+        grow = sum(max(0, need - (s.size if s is not None else 0)) for s in self._slots)
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if grow + _SHM_MARGIN > free:
+            return False, (f"{self.directory} has {free / 2**20:.0f} MiB free; {len(self._slots)} slots of {need / 2**20:.0f} MiB "
+                           f"need {grow / 2**20:.0f} MiB more plus a {_SHM_MARGIN >> 20} MiB margin")
+        return True, ""
+
+    def _slot(self, i: int, need: int) -> _WriterSlot:
+        s = self._slots[i]
+        if s is not None and s.size >= need:
+            return s
+        new = s is None
+        if new:
+            path = os.path.join(self.directory, f"{self.prefix}{i}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._paths.append(path)
+        else:  # grow in place (never shrink: a reader's mapping past a shrunk end would SIGBUS)
+            path, fd = s.path, s.fd
+        try:
+            # Allocate now: writing through a mapping into a sparse tmpfs file that runs out of room is a SIGBUS.
+            os.posix_fallocate(fd, 0, need)
+        except OSError as e:
+            if new:  # leave no half-made slot behind; a grown one keeps its old size and content
+                os.close(fd)
+                os.unlink(path)
+                self._paths.remove(path)
+            raise ShmSpaceError(f"cannot allocate {need} bytes for {path}: {e}") from e
+        mm = mmap.mmap(fd, need, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        u8 = np.frombuffer(mm, dtype=np.uint8)
+        hdr = u8[:32].view(np.uint64)
+        if new:
+            hdr[_H_PID] = os.getpid()  # for inspection only
+            hdr[_H_SEQ] = 1  # "generation 0 being written": nothing readable yet
+            hdr[_H_MAGIC] = _MAGIC
+        s = _WriterSlot(path=path, fd=fd, size=need, mm=mm, u8=u8, hdr=hdr)  # the old mapping goes with its last view
+        self._slots[i] = s
+        return s
+
+    def _lock(self, s: _WriterSlot) -> None:
+        deadline = time.monotonic() + self.busy_timeout_s
+        wait = 1e-4
+        while True:
+            try:
+                fcntl.flock(s.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ShmSyncError(f"{s.path}: still being read after {self.busy_timeout_s:.1f}s (a worker holds generation "
+                                       f"{int(s.hdr[_H_SEQ]) // 2}); refusing to overwrite it") from None
+                time.sleep(wait)
+                wait = min(wait * 2, 0.01)
+
+    def write(self, plan: SyncPlan) -> list[ShmBucket]:
+        """Gather one sync into the next slot (one copy, casts fused in); returns the index to send."""
+        if self._finalizer is None or not self._finalizer.alive:
+            raise ShmSyncError("ShmSyncArea.write after close()")
+        g = self.generation + 1
+        s = self._slot(g % len(self._slots), self._need(plan))
+        self._lock(s)
+        try:
+            s.hdr[_H_SEQ] = 2 * g + 1  # writing g: readers of the slot's previous generation now refuse
+            s.hdr[_H_PAYLOAD] = self._need(plan) - _HEADER
+            slot = ShmSlot(path=s.path, node_id=self.node_id, generation=g)
+            out: list[ShmBucket] = []
+            off = _HEADER
+            for srcs, n in zip(plan.buckets, plan.bucket_nbytes):
+                wb = _pack_sources(srcs, True, s.u8[off:off + n])
+                out.append(ShmBucket(entries=wb.entries, slot=slot, offset=off, nbytes=n))
+                off += _round_page(n)
+            s.hdr[_H_SEQ] = 2 * g  # complete
+            self.generation = g
+        finally:
+            fcntl.flock(s.fd, fcntl.LOCK_UN)
+        return out
+
+    def close(self) -> None:
+        """Unlink the slot files and stop the reaper. Workers' existing mappings stay readable."""
+        slots, self._slots = self._slots, [None] * len(self._slots)
+        for s in slots:
+            if s is not None:
+                os.close(s.fd)
+        del slots
+        self._finalizer()
+
+
+@dataclass
+class _ReaderMap:
+    fd: int
+    size: int
+    mm: mmap.mmap
+    hdr: np.ndarray  # [4] uint64, read-only view
+
+
+class ShmReader:
+    """Worker-side: maps slot files read-only once (kept across syncs) and reads buckets under the checks."""
+
+    def __init__(self, node_id: str = "") -> None:
+        self.node_id = node_id
+        self._maps: dict[str, _ReaderMap] = {}
+
+    def _map(self, path: str, need: int) -> _ReaderMap:
+        m = self._maps.get(path)
+        if m is not None and m.size >= need:
+            return m
+        if m is not None:  # the trainer grew the file: map it again (the old mapping goes when unused)
+            self._maps.pop(path)
+            os.close(m.fd)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShmSyncError(f"{path}: weight-sync file is gone (the trainer closed it or died)") from None
+        size = os.fstat(fd).st_size
+        if size < need:
+            os.close(fd)
+            raise ShmSyncError(f"{path}: {size} bytes, the index needs {need}")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        hdr = np.frombuffer(mm, dtype=np.uint64, count=4)
+        if int(hdr[_H_MAGIC]) != _MAGIC:
+            os.close(fd)
+            raise ShmSyncError(f"{path}: not a weight-sync file (bad header magic)")
+        m = _ReaderMap(fd=fd, size=size, mm=mm, hdr=hdr)
+        self._maps[path] = m
+        return m
+
+    @staticmethod
+    def _check(m: _ReaderMap, slot: ShmSlot, when: str) -> None:
+        seq = int(m.hdr[_H_SEQ])
+        if seq != 2 * slot.generation:
+            state = "being written" if seq % 2 else "complete"
+            raise ShmSyncError(f"{slot.path}: torn or stale read {when} loading: the index is for generation "
+                               f"{slot.generation}, the slot holds generation {seq // 2} ({state})")
+
+    @contextmanager
+    def open(self, buckets: Sequence[ShmBucket]) -> Iterator[list[WeightBucket]]:
+        """`WeightBucket`s over the mapped bytes (zero copy), valid inside the `with` block only.
+
+        Every slot the buckets live in is locked (shared) for the whole block, so a whole sync is
+        read against one generation: the trainer cannot start rewriting between two buckets. Raises
+        `ShmSyncError` before yielding if a slot is being rewritten or holds another generation, and
+        on exit if one changed meanwhile (the loaded weights must then be discarded).
+        """
+        slots: dict[str, tuple[ShmSlot, int]] = {}
+        for b in buckets:
+            if not isinstance(b, ShmBucket):
+                raise WeightSyncError(f"ShmReader.open: expected ShmBuckets, got {type(b).__name__}")
+            if b.slot.node_id and self.node_id and b.slot.node_id != self.node_id:
+                raise ShmSyncError(f"{b.slot.path} lives on node {b.slot.node_id}, this worker is on node {self.node_id}: "
+                                   "shared-memory syncs are same-node only (the trainer should have chosen the object store)")
+            prev = slots.get(b.slot.path)
+            if prev is not None and prev[0] != b.slot:
+                raise ShmSyncError(f"{b.slot.path}: one sync's buckets name generations {prev[0].generation} and {b.slot.generation}")
+            slots[b.slot.path] = (b.slot, max(prev[1] if prev else 0, b.offset + b.nbytes))
+        maps = {path: self._map(path, need) for path, (_, need) in sorted(slots.items())}
+        locked: list[_ReaderMap] = []
+        try:
+            for path, m in maps.items():
+                try:
+                    fcntl.flock(m.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise ShmSyncError(f"{path}: the trainer is rewriting this slot; generation "
+                                       f"{slots[path][0].generation} is gone") from None
+                locked.append(m)
+                self._check(m, slots[path][0], "before")
+            yield [WeightBucket(entries=b.entries, buffers=(np.frombuffer(maps[b.slot.path].mm, dtype=np.uint8, count=b.nbytes,
+                                                                            offset=b.offset),)) for b in buckets]
+            for path, m in maps.items():
+                self._check(m, slots[path][0], "after")
+        finally:
+            for m in locked:
+                fcntl.flock(m.fd, fcntl.LOCK_UN)
+
+    @contextmanager
+    def read(self, bucket: ShmBucket) -> Iterator[WeightBucket]:
+        """One bucket: `open([bucket])`."""
+        with self.open([bucket]) as (wb,):
+            yield wb
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        for m in maps.values():
+            os.close(m.fd)
+
+
+# ----------------------------------------------------------------------------- choosing the transport
+def requested_transport(transport: str = "auto") -> str:
+    """The transport asked for: an explicit "shm" / "object_store" wins; "auto" yields to $JOINTRL_SYNC_TRANSPORT."""
+    if transport not in TRANSPORTS:
+        raise WeightSyncError(f"sync transport {transport!r} is not supported; use one of {TRANSPORTS}")
+    if transport == "auto":
+        env = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+        if env not in TRANSPORTS:
+            raise WeightSyncError(f"${TRANSPORT_ENV}={env!r} is not a sync transport; use one of {TRANSPORTS}")
+        return env
+    return transport
+
+
+def local_node_id() -> str:
+    """This process's Ray node id, or "" outside Ray (then every reader counts as local)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - no Ray, or no runtime context: not a cluster process
+        return ""
+
+
+class WeightExporter:
+    """Trainer-side: one object per trainer process, exporting each sync over shm or the object store.
+
+    `export(...)` returns `ShmBucket`s (index only; the bytes are in this process's `ShmSyncArea`)
+    or `WeightBucket`s that alias the weights / a reused staging area (the caller must `ray.put`
+    them before the next export or weight change). With transport "auto" shm is chosen when every
+    reader is on this node and /dev/shm has room; otherwise the object store, and the reason is
+    logged when the choice changes. `last_transport` / `last_reason` say what the last export did.
+    """
+
+    def __init__(self, node_id: str | None = None, shm_dir: str = SHM_DIR, busy_timeout_s: float = 60.0) -> None:
+        self.node_id = local_node_id() if node_id is None else node_id
+        self.shm_dir = shm_dir
+        self.busy_timeout_s = busy_timeout_s
+        self.area: ShmSyncArea | None = None
+        self.staging = SyncStaging()
+        self.last_transport = ""
+        self.last_reason = ""
+
+    def _choose(self, requested: str, plan: SyncPlan, reader_nodes: Sequence[str]) -> tuple[str, str]:
+        if requested == "object_store":
+            return "object_store", "requested"
+        foreign = sorted({n for n in reader_nodes if n and self.node_id and n != self.node_id})
+        if requested == "auto" and not reader_nodes:
+            return "object_store", "reader nodes unknown"
+        if foreign:
+            why = f"readers on other nodes {foreign} (trainer on {self.node_id})"
+            if requested == "shm":
+                raise ShmSyncError(f"shared-memory sync forced but {why}")
+            return "object_store", why
+        if not os.path.isdir(self.shm_dir):
+            if requested == "shm":
+                raise ShmSyncError(f"shared-memory sync forced but {self.shm_dir} does not exist")
+            return "object_store", f"{self.shm_dir} does not exist"
+        if self.area is None:
+            self.area = ShmSyncArea(self.node_id, self.shm_dir, busy_timeout_s=self.busy_timeout_s)
+        ok, why = self.area.fits(plan)
+        if not ok:
+            if requested == "shm":
+                raise ShmSyncError(f"shared-memory sync forced but {why}")
+            return "object_store", why
+        return "shm", "all readers on this node" if requested == "auto" else "requested"
+
+    def _log_choice(self, how: str, why: str, nbytes: int) -> None:
+        if (how, why) != (self.last_transport, self.last_reason):
+            fallback = how == "object_store" and why != "requested"
+            (log.warning if fallback else log.info)("weight sync transport: %s (%s), %.1f MB per sync", how, why, nbytes / 1e6)
+        self.last_transport, self.last_reason = how, why
+
+    def export(self, module: torch.nn.Module, named_weights: Iterable[tuple[str, torch.Tensor]], bucket_mb: float = 64.0,
+               fmt: str = "fp32", *, transport: str = "auto", reader_nodes: Sequence[str] = (),
+               mxfp4_rest: str = "fp32") -> list[ShmBucket] | list[WeightBucket]:
+        plan = _trainer_plan(module, named_weights, bucket_mb, fmt, mxfp4_rest)
+        requested = requested_transport(transport)
+        how, why = self._choose(requested, plan, reader_nodes)
+        if how == "shm":
+            assert self.area is not None
+            try:
+                out = self.area.write(plan)
+            except ShmSpaceError as e:  # /dev/shm filled up between the check and the allocation
+                if requested == "shm":
+                    raise
+                how, why = "object_store", str(e)
+        self._log_choice(how, why, plan.nbytes)
+        if how == "shm":
+            return out
+        if fmt == "fp32":  # buckets alias the weights: ray.put is the only copy
+            return plan.to_buckets(copy=False)
+        return plan.to_buckets(copy=True, staging=self.staging)  # cast / encode into warm, reused memory
+
+    def close(self) -> None:
+        if self.area is not None:
+            self.area.close()
+            self.area = None

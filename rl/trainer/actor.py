@@ -7,7 +7,8 @@ copying through itself), and plain-data returns.
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+from typing import Any, Sequence
 
 import ray
 import torch
@@ -34,10 +35,13 @@ class TrainerWorker:
 
     def rl_step(self, batch: TrainBatch) -> dict[str, float]:
         """Old-policy logprobs (recording routes for R2 when the engine gave none), then one update."""
+        t0 = time.perf_counter()
         old_lp, routes = self.t.compute_logprobs(batch)
+        t_old = time.perf_counter() - t0
         if routes is not None:
             batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
-        return self.t.train_step(batch.with_(old_logprobs_BT=old_lp))
+        m = self.t.train_step(batch.with_(old_logprobs_BT=old_lp))
+        return {**m, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.t.sft_step(batch)
@@ -45,24 +49,36 @@ class TrainerWorker:
     def set_lr(self, lr: float) -> None:
         self.t.set_lr(lr)
 
-    def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32") -> list[Any]:
-        """The current weights as object refs to buckets of checkpoint-named tensors (rl/weights.py).
+    def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32", transport: str = "object_store",
+                       reader_nodes: Sequence[str] = ()) -> list[Any]:
+        """The current weights for a sync, in buckets of checkpoint-named tensors (rl/weights.py).
 
-        `fmt` = `trainer.sync_format` ("fp32", "bf16", "mxfp4"). Buckets are put in Ray's object
-        store at once, so workers read them from there in place and the driver only ever holds the
-        (tiny) refs. fp32 buckets alias the weights (`copy=False`: `ray.put` is the only copy);
-        bf16 / MXFP4 buckets are gathered, cast or encoded into a staging area reused across syncs
-        (fresh memory is several times slower to fill here). Both are safe because nothing touches
-        the weights or the staging area before `ray.put` returns: this actor runs one method at a time.
+        `fmt` = `trainer.sync_format` ("fp32", "bf16", "mxfp4"). `transport`:
+        - "object_store" (default, valid for any reader, refs stay readable as long as they live):
+          object refs to `WeightBucket`s, put at once, so workers read them in place and the driver
+          only holds refs. fp32 buckets alias the weights (`ray.put` is the only copy); bf16 / MXFP4
+          are cast or encoded into a staging area reused across syncs. Safe because this actor runs
+          one method at a time: nothing changes the weights before `ray.put` returns.
+        - "shm": `ShmBucket` indexes (a few KB) of a double-buffered /dev/shm area this process owns,
+          written with one warm copy; valid until the export after next. Same-node readers only.
+        - "auto": shm if every node in `reader_nodes` (the rollout workers' Ray node ids) is this
+          actor's node and /dev/shm has room, else the object store (logged);
+          $JOINTRL_SYNC_TRANSPORT overrides "auto".
         """
-        from rl.weights import SyncStaging, export_buckets
+        from rl.weights import WeightBucket, WeightExporter
 
-        if fmt == "fp32":
-            buckets = export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, copy=False)
-        else:
-            staging = self.__dict__.setdefault("_sync_staging", SyncStaging())
-            buckets = export_buckets(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, staging=staging)
-        return [ray.put(b) for b in buckets]
+        exporter = self.__dict__.get("_exporter")
+        if exporter is None:
+            exporter = self._exporter = WeightExporter()
+        buckets = exporter.export(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, transport=transport,
+                                  reader_nodes=tuple(reader_nodes))
+        return [ray.put(b) if isinstance(b, WeightBucket) else b for b in buckets]
+
+    def close_sync(self) -> None:
+        """Remove this actor's /dev/shm sync files now (otherwise: at exit, or by its reaper if killed)."""
+        exporter = self.__dict__.pop("_exporter", None)
+        if exporter is not None:
+            exporter.close()
 
     def version(self) -> int:
         return self.t.version

@@ -9,7 +9,7 @@ import torch
 
 from envs.types import Message
 from rl.metrics import format_duration, progress_text
-from rl.telemetry import logprob_gap_metrics, ratio_metrics, rollout_metrics
+from rl.telemetry import logprob_gap_metrics, ratio_metrics, rollout_metrics, time_breakdown
 from rl.types import Episode, RolloutGroup
 
 
@@ -137,3 +137,23 @@ def test_progress_text_shows_step_rewards_and_eta():
 @pytest.mark.parametrize("s,want", [(0, "0s"), (45.4, "45s"), (192, "3m12s"), (3720, "1h02m"), (float("nan"), "?"), (-1, "?")])
 def test_format_duration(s, want):
     assert format_duration(s) == want
+
+
+def test_time_breakdown_splits_rollout_by_episode_seconds_and_reports_idle():
+    g = RolloutGroup(task_id="t", domain="a", episodes=(
+        ep("a", 1.0, 3, metrics={"time_generate_s": 3.0, "time_tools_s": 1.0, "time_grade_s": 0.0}),
+        ep("a", 0.0, 3, metrics={"time_generate_s": 1.0, "time_tools_s": 1.0, "time_grade_s": 2.0})))
+    # episode-seconds: generate 4, tools 2, grade 2 -> shares 1/2, 1/4, 1/4 of the 8 s rollout wall time
+    m = time_breakdown([g], step_s=12.0, rollout_s=8.0, train_busy_s=3.0, sync_s=0.5)
+    assert m["time/rollout_generate_s"] == pytest.approx(4.0)
+    assert m["time/rollout_tools_s"] == pytest.approx(2.0)
+    assert m["time/rollout_grade_s"] == pytest.approx(2.0)
+    assert m["time/trainer_idle_s"] == pytest.approx(12.0 - 3.0 - 0.5)
+    assert m["time/rollout_idle_s"] == pytest.approx(12.0 - 8.0 - 0.5)
+    # async overlap: training as long as the step itself leaves the trainer no idle time (never negative)
+    m = time_breakdown([g], step_s=8.0, rollout_s=8.0, train_busy_s=9.0, sync_s=0.5)
+    assert m["time/trainer_idle_s"] == 0.0 and m["time/rollout_idle_s"] == 0.0
+    # episodes without timings (e.g. built by hand) give zero shares, not a division error
+    m = time_breakdown([RolloutGroup(task_id="t", domain="a", episodes=(ep("a", 0.0, 3),))], step_s=1.0, rollout_s=1.0,
+                       train_busy_s=0.0, sync_s=0.0)
+    assert m["time/rollout_generate_s"] == 0.0

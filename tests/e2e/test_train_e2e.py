@@ -43,29 +43,36 @@ def _cfg(model_dir: Path, run_dir: Path, steps: int):
 
 
 def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
+    import shutil
+
     import ray
 
     from rl.metrics import read_metrics
     from rl.runtime import Runtime
     from rl.train import run
 
-    run_dir = tmp_path / "run"
-    cfg = _cfg(tiny_qwen_moe, run_dir, steps=2)
+    run_dir, run_dir2 = tmp_path / "run", tmp_path / "run_resumed"
+    cfg = _cfg(tiny_qwen_moe, run_dir, steps=3)
     rt = Runtime.start(cfg)
     try:
         w0 = ray.get(ray.get(rt.trainer.export_weights.remote(1024.0))[0])
         # Kill the rollout worker after the first RL step: the dispatcher must restart it with the latest weights.
-        orig_rollout = rt.rollout
+        orig_rollout, orig_checkpoint = rt.rollout, rt.checkpoint
         calls = {"n": 0}
 
-        def rollout_then_kill(tasks):
-            out = orig_rollout(tasks)
+        def rollout_then_kill(tasks, step):
+            out = orig_rollout(tasks, step)
             calls["n"] += 1
-            if calls["n"] == 2:  # eval "before" used _run_groups directly; this is RL step 0
+            if calls["n"] == 1:  # RL step 0 (the "before" eval runs episodes directly, not through rollout)
                 ray.kill(rt.rollout_engine.handles[0], no_restart=True)
             return out
 
-        rt.rollout = rollout_then_kill
+        def checkpoint_then_copy(step):
+            orig_checkpoint(step)
+            if step == 2:  # "kill" the run here: a copy of its directory as it stands after the step-2 checkpoint
+                shutil.copytree(run_dir, run_dir2)
+
+        rt.rollout, rt.checkpoint = rollout_then_kill, checkpoint_then_copy
         summary = run(cfg, runtime=rt)
         w1 = ray.get(ray.get(rt.trainer.export_weights.remote(1024.0))[0])
         restarts = rt.rollout_engine.restarts
@@ -80,26 +87,38 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     assert restarts == [1], restarts
     rows = read_metrics(run_dir)
     rl_rows = [r for r in rows if "reward/mean/terminal" in r]
-    assert len(rl_rows) == 2
+    assert [r["step"] for r in rl_rows] == [0, 1, 2]
     for r in rl_rows:
         assert "reward/mean/browse" in r and "tokens/response_mean/terminal" in r
         # the engine serves exactly the trainer's weights (fp32 both sides)
         assert r["mismatch/logprob_abs_mean"] < 2e-3, r["mismatch/logprob_abs_mean"]
         assert r["mismatch/logprob_abs_max"] < 2e-2
         assert r["policy/version"] >= 1
+        # the step-time breakdown is logged every step and adds up
+        parts = r["time/rollout_generate_s"] + r["time/rollout_tools_s"] + r["time/rollout_grade_s"]
+        assert parts == pytest.approx(r["time/rollout_s"], rel=1e-6) and r["time/train_s"] > 0 and r["time/sync_s"] > 0
     assert len(summary["before"]) == 2 and len(summary["after"]) == 2
     assert (run_dir / "eval_table.txt").exists()
-    meta = json.loads((run_dir / "checkpoint" / "meta.json").read_text())
-    assert meta["step"] == 2
-
-    # Resume: a run asked for 3 steps continues from step 2 (no SFT again, one more RL step).
-    cfg3 = _cfg(tiny_qwen_moe, run_dir, steps=3)
-    rt3 = Runtime.start(cfg3)
-    try:
-        assert rt3.start_step == 2 and rt3.policy_version == meta["policy_version"]
-        run(cfg3, runtime=rt3)
-    finally:
-        rt3.shutdown()
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows if "reward/mean/terminal" in r] == [0, 1, 2]
     assert json.loads((run_dir / "checkpoint" / "meta.json").read_text())["step"] == 3
+
+    # Resume the copy killed after step 2: it continues at step 2 (no SFT again) and, with per-request
+    # seeds and fp32 on both sides, reproduces the uninterrupted run's step 2.
+    meta2 = json.loads((run_dir2 / "checkpoint" / "meta.json").read_text())
+    assert meta2["step"] == 2
+    cfg2 = _cfg(tiny_qwen_moe, run_dir2, steps=3)
+    rt2 = Runtime.start(cfg2)
+    try:
+        assert rt2.start_step == 2 and rt2.policy_version == meta2["policy_version"]
+        run(cfg2, runtime=rt2)
+    finally:
+        rt2.shutdown()
+    resumed = [r for r in read_metrics(run_dir2) if "reward/mean/terminal" in r]
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert json.loads((run_dir2 / "checkpoint" / "meta.json").read_text())["step"] == 3
+    want, got = rl_rows[2], resumed[2]
+    exact = [k for k in want if k.split("/")[0] in ("reward", "success", "tokens", "turns", "episodes")]
+    assert exact and {k: got[k] for k in exact} == {k: want[k] for k in exact}
+    close = [k for k in want if k.startswith(("loss/", "policy/ratio", "train/grad_norm"))]
+    assert close
+    for k in close:
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
