@@ -64,6 +64,7 @@ class EvalRow:
     tokens: float
     turns: float
     samples: int = 1  # episodes per task; n x samples episodes in all
+    task_success: tuple[float, ...] = ()  # per task (held-out order), success over its samples: for paired comparisons
 
 
 class Runtime:
@@ -364,8 +365,10 @@ class Runtime:
                     from dataclasses import replace
 
                     tasks = [replace(t, thinking=tier) for t in tasks]
-                eps = [e for g in self._run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed) for e in g]
+                groups = self._run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
+                eps = [e for g in groups for e in g]
                 rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(tasks), samples=ev.samples,
+                                    task_success=tuple(float(np.mean([e.reward >= 1.0 for e in g])) for g in groups),
                                     success=float(np.mean([e.reward >= 1.0 for e in eps])) if eps else 0.0,
                                     reward=float(np.mean([e.reward for e in eps])) if eps else 0.0,
                                     tokens=float(np.mean([sum(e.loss_mask) for e in eps])) if eps else 0.0,

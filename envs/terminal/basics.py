@@ -1,98 +1,125 @@
 """terminal-basics-v0: one-command shell tasks, the first rung of the terminal curriculum.
 
 Same domain, sandbox, tools and rubric as terminal-v0 (envs/terminal/domain.py); only the task
-families differ. Each task is solved by one short command plus `submit`, and the parameter the
-command must carry (a word, a file name, a line count) appears verbatim in the instruction, so a
-model a few million parameters large can learn the format by supervised warm start and still have
-room to improve under RL. Held-out tasks use parameter values (words, file names, counts) that no
-train task of the same family uses (envs/splits.py), so held-out success measures copying an unseen
-argument into the right place, not recall of a memorised command.
+families differ. Each task's directory holds a single data file, and the instruction says what to
+compute from it (lines, words, first/last line, sorted lines, distinct lines); one command plus
+`submit` solves it. The command does not need to name the file (`cat *`, `head -n 1 *`), so a model
+a few million parameters large can learn the skill from a short supervised warm start and still
+has room to improve under RL. Held-out tasks use file names and extensions (the variants) that no
+train task of the same family uses, with fresh contents (envs/splits.py).
 
-This module does not add anything to terminal-v0: its 14 families and task sets are unchanged.
+Why no task here asks to copy an argument from the instruction into the command: measured with the
+tiny HybridMoe (3.4M parameters) on families like "write the word X to answer.txt", the model learns
+the call format and one fixed command per family within 60 SFT steps but does not learn to copy an
+unseen word even after 180 steps (held-out success 1-3%, greedy 0%: it always writes the same
+word). Copying needs an induction mechanism that forms late in training; that rung belongs to a
+bigger model or a longer run than a CPU test allows. (Byte-level BPE also gives " word" and "`word"
+different token ids, so instructions keep arguments after a space.)
+
+This module does not change terminal-v0: its 14 families and task sets are unchanged.
 """
 from __future__ import annotations
 
 import random
 from itertools import product
 
-from envs.terminal.families import WORDS, Family, Instance, _answer_is, _lines
+from envs.terminal.families import WORDS, Family, Instance, _answer_is
 
-# Word pool for parameters: terminal-v0's words plus more, all lowercase ASCII (no shell quoting).
+# Word pool for file names and contents: terminal-v0's words plus more, lowercase ASCII (sort order
+# is the same in Python and in `sort` under the sandbox's C.UTF-8 locale).
 NAMES = WORDS + ("amber", "birch", "cobalt", "dune", "falcon", "garnet", "hazel", "indigo", "jasper", "koala",
                  "lotus", "maple", "nectar", "oasis", "pepper", "quill", "ridge", "saffron", "thistle", "violet",
                  "willow", "yarrow", "zinnia", "comet")
+EXTS = ("txt", "log", "dat")
+LEAD = "This directory holds a single file. "
 
 
 def _text_lines(rng: random.Random, n: int) -> list[str]:
     return [" ".join(rng.choice(NAMES) for _ in range(rng.randint(1, 4))) for _ in range(n)]
 
 
-class EchoWord(Family):
-    name = "echo_word"
+class _OneFile(Family):
+    """A family over one data file named by the variant (stem, extension)."""
+
+    ask: str
+    command: str
 
     def variants(self):
-        return [(w,) for w in NAMES]
+        return list(product(NAMES, EXTS))
+
+    def lines(self, rng: random.Random) -> list[str]:
+        return _text_lines(rng, rng.randint(3, 30))
+
+    def expected(self, lines: list[str]) -> list[str]:
+        raise NotImplementedError
 
     def generate(self, rng, variant):
-        (word,) = variant
-        return Instance(instruction=f"Write the word `{word}` to `answer.txt`.", files={},
-                        reference=(f"echo {word} > answer.txt",), check={"expected": [word]})
+        stem, ext = variant
+        lines = self.lines(rng)
+        return Instance(instruction=LEAD + self.ask, files={f"{stem}.{ext}": ("\n".join(lines) + "\n").encode()},
+                        reference=(self.command,), check={"expected": self.expected(lines)})
 
     def check(self, g, data):
         return _answer_is(g, data["expected"])
 
 
-class CountLines(Family):
-    name = "count_lines"
+class LineCount(_OneFile):
+    name = "line_count"
+    ask = "Write the number of lines in it to answer.txt."
+    command = "cat * | wc -l > answer.txt"
 
-    def variants(self):
-        return [(w,) for w in NAMES]
-
-    def generate(self, rng, variant):
-        (stem,) = variant
-        n = rng.randint(2, 30)
-        other = rng.choice([w for w in NAMES if w != stem])
-        files = {f"{stem}.txt": ("\n".join(_text_lines(rng, n)) + "\n").encode(),
-                 f"{other}.txt": ("\n".join(_text_lines(rng, rng.randint(2, 30))) + "\n").encode()}
-        return Instance(instruction=f"Write the number of lines in `{stem}.txt` to `answer.txt`.", files=files,
-                        reference=(f"wc -l < {stem}.txt > answer.txt",), check={"expected": [str(n)]})
-
-    def check(self, g, data):
-        return _answer_is(g, data["expected"])
+    def expected(self, lines):
+        return [str(len(lines))]
 
 
-class HeadLines(Family):
-    name = "head_lines"
+class WordCount(_OneFile):
+    name = "word_count"
+    ask = "Write the number of words in it to answer.txt."
+    command = "cat * | wc -w > answer.txt"
 
-    def variants(self):
-        return list(product((1, 2, 3, 4, 5), NAMES[:10]))
-
-    def generate(self, rng, variant):
-        k, stem = variant
-        lines = _text_lines(rng, rng.randint(k + 2, 20))
-        return Instance(instruction=f"Write the first {k} lines of `{stem}.txt` to `answer.txt`.",
-                        files={f"{stem}.txt": ("\n".join(lines) + "\n").encode()},
-                        reference=(f"head -n {k} {stem}.txt > answer.txt",), check={"expected": lines[:k]})
-
-    def check(self, g, data):
-        return _answer_is(g, data["expected"])
+    def expected(self, lines):
+        return [str(sum(len(ln.split()) for ln in lines))]
 
 
-class CopyFile(Family):
-    name = "copy_file"
+class FirstLine(_OneFile):
+    name = "first_line"
+    ask = "Write its first line to answer.txt."
+    command = "head -n 1 * > answer.txt"
 
-    def variants(self):
-        return [(a, b) for a, b in product(NAMES[:8], NAMES[8:16])]
-
-    def generate(self, rng, variant):
-        src, dst = variant
-        lines = _text_lines(rng, rng.randint(2, 10))
-        return Instance(instruction=f"Copy the file `{src}.txt` to `{dst}.txt`.",
-                        files={f"{src}.txt": ("\n".join(lines) + "\n").encode()},
-                        reference=(f"cp {src}.txt {dst}.txt",), check={"dst": f"{dst}.txt", "expected": lines})
-
-    def check(self, g, data):
-        return float(_lines(g.read_text(data["dst"])) == data["expected"])
+    def expected(self, lines):
+        return lines[:1]
 
 
-BASIC_FAMILIES: dict[str, Family] = {f.name: f for f in (EchoWord(), CountLines(), HeadLines(), CopyFile())}
+class LastLine(_OneFile):
+    name = "last_line"
+    ask = "Write its last line to answer.txt."
+    command = "tail -n 1 * > answer.txt"
+
+    def expected(self, lines):
+        return lines[-1:]
+
+
+class SortedLines(_OneFile):
+    name = "sorted_lines"
+    ask = "Write its lines, sorted alphabetically, to answer.txt."
+    command = "sort * > answer.txt"
+
+    def expected(self, lines):
+        return sorted(lines)
+
+
+class DistinctLines(_OneFile):
+    name = "distinct_lines"
+    ask = "Write the number of distinct lines in it to answer.txt."
+    command = "sort -u * | wc -l > answer.txt"
+
+    def lines(self, rng):
+        pool = _text_lines(rng, rng.randint(2, 8))
+        return [rng.choice(pool) for _ in range(rng.randint(len(pool), 25))]  # repeats on purpose
+
+    def expected(self, lines):
+        return [str(len(set(lines)))]
+
+
+BASIC_FAMILIES: dict[str, Family] = {f.name: f for f in (LineCount(), WordCount(), FirstLine(), LastLine(), SortedLines(),
+                                                          DistinctLines())}

@@ -23,7 +23,7 @@ HELDOUT_FRACTION = 0.2
 DEFAULT_N = {"train": 40 * len(FAMILIES), "heldout": 8 * len(FAMILIES)}
 LIMITS = Limits(max_turns=16, tool_timeout_s=10.0, episode_timeout_s=180.0, max_obs_chars=4000, max_arg_chars=20_000)
 # terminal-basics-v0: one command + submit per task; more held-out tasks so success rates are measurable.
-BASICS_DEFAULT_N = {"train": 200 * len(BASIC_FAMILIES), "heldout": 32 * len(BASIC_FAMILIES)}
+BASICS_DEFAULT_N = {"train": 100 * len(BASIC_FAMILIES), "heldout": 20 * len(BASIC_FAMILIES)}
 BASICS_LIMITS = Limits(max_turns=4, tool_timeout_s=5.0, episode_timeout_s=60.0, max_obs_chars=2000, max_arg_chars=2000)
 
 SYSTEM_PROMPT = (

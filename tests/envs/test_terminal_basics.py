@@ -49,21 +49,20 @@ def test_reference_scores_one_and_doing_nothing_zero(backend, family, split):
 
 
 def test_near_miss_answers_score_zero(backend):
-    """The check compares the exact content, so an off-by-one or a wrong file does not pass."""
-    t = task_of("count_lines")
+    """The check compares the exact content: an off-by-one, the wrong end of the file or unsorted
+    lines do not pass; any command that writes the right answer does."""
+    t = task_of("line_count")
     n = int(t.private["check"]["expected"][0])
     assert play(backend, t, bash(f"echo {n + 1} > answer.txt")) == 0.0
-    assert play(backend, t, bash(f"echo {n} > answer.txt")) == 1.0   # any command that writes the right answer passes
-    t = task_of("head_lines")
-    k = len(t.private["check"]["expected"])
-    stem = t.private["reference"][0].split()[-3]
-    assert play(backend, t, bash(f"head -n {k + 1} {stem} > answer.txt")) == 0.0
-    t = task_of("echo_word")
-    word = t.private["check"]["expected"][0]
-    assert play(backend, t, bash(f"echo {word}s > answer.txt")) == 0.0
-    t = task_of("copy_file")
-    src = t.private["reference"][0].split()[1]
-    assert play(backend, t, bash(f"cp {src} wrong.txt")) == 0.0
+    assert play(backend, t, bash(f"echo {n} > answer.txt")) == 1.0
+    assert play(backend, t, bash("cat * | wc -w > answer.txt")) == 0.0          # words, not lines
+    assert play(backend, task_of("first_line"), bash("tail -n 1 * > answer.txt")) == 0.0
+    assert play(backend, task_of("sorted_lines"), bash("cat * > answer.txt")) == 0.0
+    assert play(backend, task_of("sorted_lines"), bash("sort -r * > answer.txt")) == 0.0
+    t = task_of("distinct_lines")
+    assert int(t.private["check"]["expected"][0]) < len(t.public["files"][0]["text"].splitlines())  # repeats exist
+    assert play(backend, t, bash("cat * | wc -l > answer.txt")) == 0.0
+    assert play(backend, task_of("word_count"), bash("echo > answer.txt")) == 0.0
 
 
 def test_heldout_parameters_are_unseen_in_train():
@@ -72,13 +71,13 @@ def test_heldout_parameters_are_unseen_in_train():
         assert sv["heldout"] and sv["train"] and not set(sv["heldout"]) & set(sv["train"])
     train = make_basics_tasks("train", 0)
     held = make_basics_tasks("heldout", 0)
-    assert len(train) == 800 and len(held) == 128
+    assert len(train) == 600 and len(held) == 120
     seen = {(t.private["family"], t.private["variant"]) for t in train}
     assert all((t.private["family"], t.private["variant"]) not in seen for t in held)
     # every held-out variant of every family is exercised by the default held-out set
     for name, fam in BASIC_FAMILIES.items():
         used = {t.private["variant"] for t in held if t.private["family"] == name}
-        assert len(used) >= min(len(split_variants(fam)["heldout"]), 16) // 2, (name, len(used))
+        assert len(used) >= 10, (name, len(used))
 
 
 def test_registered_and_conformant(backend):
