@@ -155,8 +155,27 @@ class TensorEntry:
         return sum(p.nbytes for p in self.parts)
 
 
+class _EntryTotals:
+    """Totals over a bucket's index, shared by `WeightBucket` (buffers in hand) and `ShmBucket` (an
+    index into the shared-memory area)."""
+
+    entries: tuple[TensorEntry, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+
 @dataclass(frozen=True)
-class WeightBucket:
+class WeightBucket(_EntryTotals):
     """One shard of a weight sync: flat uint8 buffers plus the index of the tensors they hold.
 
     Crosses Ray's object store as numpy buffers (zero-copy on the receiving side). `num_bytes` is
@@ -179,17 +198,6 @@ class WeightBucket:
                 if not 0 <= p.buffer < len(self.buffers) or p.offset < 0 or p.offset + p.nbytes > self.buffers[p.buffer].size:
                     raise WeightSyncError(f"{e.name}: segment {p} outside the bucket's buffers")
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(e.name for e in self.entries)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
-    @property
-    def numel(self) -> int:
-        return sum(e.numel for e in self.entries)
 
 
 # ----------------------------------------------------------------------------- naming
@@ -727,7 +735,7 @@ class ShmSlot:
 
 
 @dataclass(frozen=True)
-class ShmBucket:
+class ShmBucket(_EntryTotals):
     """The index of one bucket in a slot file: what crosses Ray for a shared-memory sync.
 
     Segments of `entries` are relative to the bucket's own bytes [offset, offset + nbytes) of the
@@ -747,17 +755,6 @@ class ShmBucket:
                 if p.buffer != 0 or p.offset < 0 or p.offset + p.nbytes > self.nbytes:
                     raise WeightSyncError(f"{e.name}: segment {p} outside the bucket's {self.nbytes} bytes")
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(e.name for e in self.entries)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
-
-    @property
-    def numel(self) -> int:
-        return sum(e.numel for e in self.entries)
 
 
 def _round_page(n: int) -> int:

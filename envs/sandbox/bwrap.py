@@ -230,24 +230,10 @@ class BwrapBackend(SandboxBackend):
                 box.agent_copy = safefs.copy_tree_as_data(
                     str(agent.workdir_host), str(dst), max_files=max_agent_files,
                     max_total_bytes=agent.limits.workdir_mb * MiB, max_file_bytes=max_agent_file_bytes)
-            elif isinstance(agent, Sandbox):
-                copied, skipped = [], []
-                try:
-                    rels = agent.list_artifacts(max_files=max_agent_files)
-                except safefs.ArtifactError as e:
-                    rels, skipped = [], [("*", str(e))]
-                for rel in rels:
-                    try:
-                        safefs.write_file(str(dst), rel, agent.read_artifact(rel, max_bytes=max_agent_file_bytes))
-                        copied.append(rel)
-                    except (safefs.ArtifactError, FileNotFoundError) as e:
-                        skipped.append((rel, str(e)))
-                box.agent_copy = CopyReport(copied=tuple(copied), skipped=tuple(skipped))
-            elif isinstance(agent, Mapping):
-                for rel, data in agent.items():
-                    safefs.write_file(str(dst), rel, data)
-            elif agent is not None:
-                raise TypeError(f"agent must be a Sandbox, a mapping of path -> bytes or None, got {type(agent).__name__}")
+            else:
+                report = safefs.copy_agent_files(agent, str(dst), max_files=max_agent_files, max_file_bytes=max_agent_file_bytes)
+                if report is not None:
+                    box.agent_copy = report
 
         return self._open(limits=replace(limits, workdir_mb=size_mb), files=files, mounts=mounts,
                           populate=populate, agent_inside=agent_inside, pristine=True)

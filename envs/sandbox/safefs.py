@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Iterator
+from typing import Iterator, Mapping
 
 # The records are part of the sandbox interface (base.py); re-exported here for the functions' callers.
 from envs.sandbox.base import CopyReport, PathStat
@@ -237,3 +237,35 @@ def copy_tree_as_data(src_root: str, dst_root: str, *, max_files: int, max_total
     except ArtifactError as e:  # more than max_files
         skipped.append(("*", str(e)))
     return CopyReport(copied=tuple(copied), skipped=tuple(skipped))
+
+
+def copy_agent_files(agent: object, dst: str, *, max_files: int, max_file_bytes: int) -> CopyReport | None:
+    """Put an agent's files under `dst` as data, for a pristine grading sandbox (`open_pristine`).
+
+    `agent` is any `Sandbox` (read through its interface: `list_artifacts` + `read_artifact`, so
+    symlinks and special files are skipped and recorded), a mapping of relative path -> bytes, or
+    None (nothing to copy). Backends with a faster host-side path (bwrap copies its work dir
+    directly) call this for the other cases.
+    """
+    from envs.sandbox.base import Sandbox
+
+    if isinstance(agent, Sandbox):
+        copied, skipped = [], []
+        try:
+            rels = agent.list_artifacts(max_files=max_files)
+        except ArtifactError as e:
+            rels, skipped = [], [("*", str(e))]
+        for rel in rels:
+            try:
+                write_file(dst, rel, agent.read_artifact(rel, max_bytes=max_file_bytes))
+                copied.append(rel)
+            except (ArtifactError, FileNotFoundError) as e:
+                skipped.append((rel, str(e)))
+        return CopyReport(copied=tuple(copied), skipped=tuple(skipped))
+    if isinstance(agent, Mapping):
+        for rel, data in agent.items():
+            write_file(dst, rel, data)
+        return None
+    if agent is not None:
+        raise TypeError(f"agent must be a Sandbox, a mapping of path -> bytes or None, got {type(agent).__name__}")
+    return None

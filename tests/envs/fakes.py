@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from envs.sandbox import safefs
-from envs.sandbox.base import CopyReport, ExecResult, Mount, PathStat, Sandbox, SandboxBackend, SandboxLimits
+from envs.sandbox.base import ExecResult, Mount, PathStat, Sandbox, SandboxBackend, SandboxLimits
 
 
 class LocalSandbox(Sandbox):
@@ -96,22 +96,7 @@ class LocalBackend(SandboxBackend):
         sb = self.open(limits=limits, files=files, mounts=mounts)
         dst = sb.base / rel_dir
         dst.mkdir(parents=True)
-        if isinstance(agent, Sandbox):
-            copied, skipped = [], []
-            try:
-                rels = agent.list_artifacts(max_files=max_agent_files)
-            except safefs.ArtifactError as e:
-                rels, skipped = [], [("*", str(e))]
-            for rel in rels:
-                try:
-                    safefs.write_file(str(dst), rel, agent.read_artifact(rel, max_bytes=max_agent_file_bytes))
-                    copied.append(rel)
-                except (safefs.ArtifactError, FileNotFoundError) as e:
-                    skipped.append((rel, str(e)))
-            sb.agent_copy = CopyReport(copied=tuple(copied), skipped=tuple(skipped))
-        elif isinstance(agent, Mapping):
-            for rel, data in agent.items():
-                safefs.write_file(str(dst), rel, data)
-        elif agent is not None:
-            raise TypeError(f"agent must be a Sandbox, a mapping of path -> bytes or None, got {type(agent).__name__}")
+        report = safefs.copy_agent_files(agent, str(dst), max_files=max_agent_files, max_file_bytes=max_agent_file_bytes)
+        if report is not None:
+            sb.agent_copy = report
         return sb
