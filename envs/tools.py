@@ -251,10 +251,20 @@ def _json_type(v: Any) -> str:
     return "object"
 
 
+_RANK = {"string": 1, "integer": 2, "number": 3, "boolean": 4, "null": 9}
+
+
+def _describe_rank(text: str) -> tuple[int, str]:
+    """Compound arms (arrays, objects, literals) first, then primitives in JSON-schema order, null last."""
+    return (_RANK.get(text, 0), text if text not in _RANK else "")
+
+
 def _describe(tp: Any) -> str:
     """An annotation in the words of the schema the model was shown: 'integer or string', 'array of string'."""
     if _is_union(tp):
-        return " or ".join(_describe(a) for a in get_args(tp))
+        # A fixed order, not get_args order: typing caches unions, so `str | int` may come back as
+        # a cached `int | str` created elsewhere first (the order then depends on import order).
+        return " or ".join(sorted((_describe(a) for a in get_args(tp)), key=_describe_rank))
     if tp is _NONE:
         return "null"
     if tp in _PRIMS:
