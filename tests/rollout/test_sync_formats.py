@@ -21,20 +21,7 @@ import torch
 
 from rl.weights import WeightBucket, WeightSyncError, make_buckets, sync_bytes, to_checkpoint_format, unpack_bucket
 
-from rollout_helpers import fixed_sequences, max_abs_diff
-
-
-def _tiny_qwen3_moe(hidden: int = 64, moe_inter: int = 32, seed: int = 0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16, intermediate_size=48, moe_intermediate_size=moe_inter, num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(seed)
-    m = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_()
-    return m
+from rollout_helpers import fixed_sequences, max_abs_diff, random_qwen3_moe
 
 
 def _reference_decode(ckpt: dict[str, torch.Tensor], rest: str, dtype: torch.dtype | None = None):
@@ -50,7 +37,7 @@ def _reference_decode(ckpt: dict[str, torch.Tensor], rest: str, dtype: torch.dty
 def test_mxfp4_buckets_decode_like_pack_for_sync_and_count_bytes_like_it(copy, moe_inter):
     from model.mxfp4_export import count_sync_bytes
 
-    m = _tiny_qwen3_moe(moe_inter=moe_inter)
+    m = random_qwen3_moe(moe_inter=moe_inter)
     ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
     payloads, want = _reference_decode(ckpt, "fp32")
     buckets = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=0.05, fmt="mxfp4", copy=copy)
@@ -77,7 +64,7 @@ def test_mxfp4_buckets_decode_like_pack_for_sync_and_count_bytes_like_it(copy, m
 
 
 def test_mxfp4_dequantizes_to_the_requested_dtype_and_rest_can_be_bf16():
-    m = _tiny_qwen3_moe()
+    m = random_qwen3_moe()
     ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
     _, want = _reference_decode(ckpt, "bf16", dtype=torch.bfloat16)
     buckets = make_buckets(m.state_dict(), "qwen3_moe", fmt="mxfp4", mxfp4_rest="bf16")
@@ -90,7 +77,7 @@ def test_mxfp4_dequantizes_to_the_requested_dtype_and_rest_can_be_bf16():
 
 
 def test_mxfp4_refuses_non_finite_expert_weights_naming_the_tensor():
-    m = _tiny_qwen3_moe()
+    m = random_qwen3_moe()
     sd = dict(m.state_dict())
     sd["model.layers.1.mlp.experts.down_proj"] = sd["model.layers.1.mlp.experts.down_proj"].clone()
     sd["model.layers.1.mlp.experts.down_proj"][2, 3, 5] = float("nan")
@@ -102,7 +89,7 @@ def test_buckets_cross_ray_and_are_read_in_place():
     """ray.get hands back read-only views of the object store; unpack builds tensors over them without copying."""
     import ray
 
-    m = _tiny_qwen3_moe()
+    m = random_qwen3_moe()
     ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
     buckets = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=64, copy=False)
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)

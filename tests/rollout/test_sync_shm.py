@@ -32,21 +32,10 @@ import torch
 from rl.weights import (SHM_PREFIX, ShmBucket, ShmReader, ShmSyncArea, ShmSyncError, WeightBucket, WeightExporter, WeightSyncError,
                         export_buckets, plan_sync, requested_transport, sweep_stale_shm, unpack_bucket)
 
+from rollout_helpers import random_qwen3_moe
+
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "node-a"
-
-
-def _tiny_qwen3_moe(seed: int = 0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16, intermediate_size=48, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(seed)
-    m = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_()
-    return m
 
 
 @pytest.fixture
@@ -83,7 +72,7 @@ def _plan(state: dict[str, torch.Tensor]):
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "mxfp4"])
 def test_shm_sync_delivers_what_the_object_store_delivers_in_place(fmt, shm_dir, ray_local):
     ray = ray_local
-    m = _tiny_qwen3_moe()
+    m = random_qwen3_moe()
     exporter = WeightExporter(node_id=NODE, shm_dir=shm_dir)
     try:
         index = exporter.export(m, m.named_parameters(), bucket_mb=0.05, fmt=fmt, transport="auto", reader_nodes=[NODE, NODE])
@@ -288,7 +277,7 @@ def test_slots_grow_in_place_and_readers_remap(shm_dir):
 def test_transport_choice_and_fallbacks(shm_dir, monkeypatch, caplog):
     import rl.weights as W
 
-    m = _tiny_qwen3_moe()
+    m = random_qwen3_moe()
     ex = WeightExporter(node_id=NODE, shm_dir=shm_dir)
     caplog.set_level(logging.INFO, logger="jointrl.weights")
     try:
