@@ -35,6 +35,7 @@ What it does not do
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -372,10 +373,7 @@ class SyncPayload:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def to_bytes(self) -> bytes:
         """safetensors bytes (no pickle): crosses Ray's object store, a socket or vLLM's collective_rpc."""

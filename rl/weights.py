@@ -49,6 +49,7 @@ worker do), load anything into an engine (rl/rollout/engine.py), or handle tenso
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
 import re
@@ -145,10 +146,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -522,8 +520,6 @@ def make_buckets(
     "bf16"). `copy=True`: each bucket is one flat buffer (gathered into `staging` if given, which the
     buckets then alias); `copy=False`: buffers alias `state_dict`'s memory (module docstring).
     """
-    if staging is not None and not copy:
-        raise WeightSyncError("make_buckets: a staging area is only used with copy=True")
     plan = plan_sync(state_dict, model_type, bucket_mb, tie_word_embeddings=tie_word_embeddings, fmt=fmt, mxfp4_rest=mxfp4_rest)
     return plan.to_buckets(copy=copy, staging=staging)
 

@@ -218,19 +218,13 @@ def print_sync(s: dict, model: str) -> None:
 
 
 def bench_breakdown(steps: int) -> dict:
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from rl.config import load_config
     from rl.metrics import read_metrics
+    from rl.serve import build_test_checkpoint
     from rl.train import run
 
     tmp = Path(tempfile.mkdtemp())
-    c = Qwen3MoeConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8, num_experts_per_tok=2,
-                       max_position_embeddings=4096, eos_token_id=3, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(c).save_pretrained(tmp / "m")
+    build_test_checkpoint(tmp / "m")
     out = {}
     for mode in ("false", "true"):
         run_dir = tmp / f"run_{mode}"

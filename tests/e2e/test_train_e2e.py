@@ -17,16 +17,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_qwen_moe(tmp_path_factory) -> Path:
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from rl.serve import build_test_checkpoint
 
-    out = tmp_path_factory.mktemp("qmoe")
-    cfg = Qwen3MoeConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8, num_experts_per_tok=2,
-                         max_position_embeddings=4096, eos_token_id=3, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
-    return out
+    return build_test_checkpoint(tmp_path_factory.mktemp("qmoe"))
 
 
 def _cfg(model_dir: Path, run_dir: Path, steps: int):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,21 +158,9 @@ MAX_LEN = 2048
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """Tiny random Qwen3-MoE (head_dim 64 for the CPU attention kernel) with the project's tokenizer."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from rl.serve import build_test_checkpoint
 
-    from model.chat import TOKENIZER_DIR
-
-    out = tmp_path_factory.mktemp("seeded_moe")
-    cfg = Qwen3MoeConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8, num_experts_per_tok=2,
-                         max_position_embeddings=4096, eos_token_id=3, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(out)
-    for f in Path(TOKENIZER_DIR).iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, out / f.name)
-    return out
+    return build_test_checkpoint(tmp_path_factory.mktemp("seeded_moe"))
 
 
 @pytest.fixture(scope="module")
