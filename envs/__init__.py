@@ -13,7 +13,7 @@ See docs/envs.md. Heavy modules (datasets, sandbox backends) are imported only w
 from envs.base import Domain, Env, EnvSetupError, EnvUsageError, ToolEnv, ToolInvocation, ToolOutput, clip_observation
 from envs.registry import SPLITS, EnvSpec, discovery_errors, generate_tasks, list_envs, make, register, spec, tasks
 from envs.tools import ToolArgError, ToolContext, tool
-from envs.types import Grade, Limits, Message, StepResult, Task, ToolCall
+from jointrl.records import Grade, Limits, Message, StepResult, Task, ToolCall
 
 __all__ = [
     "Domain", "Env", "EnvSetupError", "EnvSpec", "EnvUsageError", "Grade", "Limits", "Message", "SPLITS",

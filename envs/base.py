@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from envs.tools import ToolArgError, ToolContext, ToolSpec, collect_tools
-from envs.types import Grade, Limits, Message, StepResult, Task, ToolCall
+from jointrl.records import Grade, Limits, Message, StepResult, Task, ToolCall
 from rewards.rubric import EpisodeSummary, Rubric
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from envs.base import ToolEnv, messages_for_calls
 from envs.play import ScriptedPolicy, run_episode
 from envs.registry import generate_tasks, make, spec
-from envs.types import Message, Task, ToolCall
+from jointrl.records import Message, Task, ToolCall
 
 
 @dataclass(frozen=True)

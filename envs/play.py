@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 from envs.base import Env, ToolEnv, ToolInvocation, messages_for_calls
-from envs.types import Grade, Message, Task
+from jointrl.records import Grade, Message, Task
 
 Policy = Callable[[Sequence[Message], Sequence[dict[str, Any]]], Awaitable[Message]]
 

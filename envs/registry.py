@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from envs.types import Task
+from jointrl.records import Task
+from jointrl import paths
 
 if TYPE_CHECKING:
     import datasets
@@ -146,9 +147,7 @@ def generate_tasks(env_id: str, split: str, seed: int = 0, n: int | None = None)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("JOINTRL_CACHE")
-    base = Path(root) if root else Path(__file__).resolve().parent.parent / ".cache"
-    return base / "envs"
+    return paths.cache_root() / "envs"
 
 
 def _fingerprint(s: EnvSpec) -> str:

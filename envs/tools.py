@@ -34,7 +34,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
-from envs.types import Task
+from jointrl.records import Task
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 What it does
 - Fixes the special tokens and their ids (the shipped tokenizer in `model/tokenizer/` is trained
   with exactly these, see `scripts/train_tokenizer.py`).
-- `render` turns `envs.types.Message`s (+ optional OpenAI function schemas) into the prompt
+- `render` turns `jointrl.records.Message`s (+ optional OpenAI function schemas) into the prompt
   string. `CHAT_TEMPLATE` is the same format as a Jinja template (shipped in
   `tokenizer_config.json`), so `tokenizer.apply_chat_template` and vLLM produce the identical
   string; the tests check the two on many conversations.
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from envs.types import Message, ToolCall
+from jointrl.records import Message, ToolCall
 
 # --------------------------------------------------------------------------- special tokens
 # The position in this tuple IS the token id; the tokenizer trainer assigns them in this order.
@@ -246,7 +246,7 @@ def _content_text(message: Message, where: str) -> str:
 
 def _check_message(message: Any, where: str) -> Message:
     if not isinstance(message, Message):
-        raise TypeError(f"{where}: expected envs.types.Message, got {type(message).__name__}")
+        raise TypeError(f"{where}: expected jointrl.records.Message, got {type(message).__name__}")
     if message.role not in ("system", "user", "assistant", "tool"):
         raise ValueError(f"{where}: unknown role {message.role!r}; allowed: system, user, assistant, tool")
     if message.role != "assistant":
@@ -261,7 +261,7 @@ def _check_message(message: Any, where: str) -> Message:
 
 def _render_tool_call(call: ToolCall, where: str) -> str:
     if not isinstance(call, ToolCall):
-        raise TypeError(f"{where}: expected envs.types.ToolCall, got {type(call).__name__}")
+        raise TypeError(f"{where}: expected jointrl.records.ToolCall, got {type(call).__name__}")
     if not isinstance(call.name, str) or not call.name:
         raise ValueError(f"{where}: tool call name must be a non-empty string, got {call.name!r}")
     try:
@@ -336,7 +336,7 @@ def render(
     add_generation_prompt: append `GENERATION_PROMPT` (assistant header + opening `<think>`).
     """
     if isinstance(messages, (str, bytes, Message)) or not isinstance(messages, Sequence):
-        raise TypeError(f"messages: expected a sequence of envs.types.Message, got {type(messages).__name__}")
+        raise TypeError(f"messages: expected a sequence of jointrl.records.Message, got {type(messages).__name__}")
     parts: list[str] = []
     first = 0
     if tools:

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from envs.types import Grade, Message, Task
+from jointrl.records import Grade, Message, Task
 
 
 @dataclass(frozen=True)

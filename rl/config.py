@@ -20,7 +20,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from jointrl.paths import REPO_ROOT, cache_root
+
 CONFIG_DIR = REPO_ROOT / "configs"
 
 
@@ -179,8 +180,7 @@ class RunConfig:
         return p if p.is_absolute() else REPO_ROOT / p
 
     def resolved_cache_dir(self) -> Path:
-        p = Path(os.environ.get("JOINTRL_CACHE", self.cache_dir))
-        return p if p.is_absolute() else REPO_ROOT / p
+        return cache_root(self.cache_dir)
 
 
 # ----------------------------------------------------------------------------- validation

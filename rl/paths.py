@@ -10,15 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rl.config import REPO_ROOT
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("JOINTRL_CACHE", REPO_ROOT / ".cache"))
+from jointrl.paths import cache_root
 
 
 def setup_cache_env(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
     subdirs = {
         "JOINTRL_CACHE": root,

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from envs.types import Task
+from jointrl.records import Task
 from rl.config import RunConfig, to_dict
 from rl.log import get_logger, progress
 from rl.metrics import MetricsSink

@@ -53,7 +53,7 @@ from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Protocol, Seq
 
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' (string) annotations here
 
-from envs.types import Message, ToolCall
+from jointrl.records import Message, ToolCall
 from model import chat
 from rl.config import RolloutSection
 from rl.log import get_logger
@@ -1147,9 +1147,9 @@ def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
     from model.shipped import SHIPPED_CONFIGS
 
     if model_or_ckpt in SHIPPED_CONFIGS and not Path(model_or_ckpt).is_dir():
-        from rl.paths import default_cache_dir
+        from jointrl.paths import cache_root
 
-        root = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir() / "serve"
+        root = Path(settings.cache_dir) if settings.cache_dir else cache_root() / "serve"
         path = build_shipped_checkpoint(model_or_ckpt, root / f"{model_or_ckpt}-seed{settings.seed}", settings.seed)
         name = model_or_ckpt
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Sequence
 
-from envs.types import Message, Task
+from jointrl.records import Message, Task
 from rl.log import get_logger
 from rl.types import Episode
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from envs.types import Message
+from jointrl.records import Message
 
 
 @dataclass(frozen=True)

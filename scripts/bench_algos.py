@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "rl"))
 
-from algos_refs import random_batch, ref_aggregate, ref_gae, ref_grpo, ref_ppo_token, tolist2  # noqa: E402
+from tests.rl.algos.algos_refs import random_batch, ref_aggregate, ref_gae, ref_grpo, ref_ppo_token, tolist2  # noqa: E402
 from rl.algos import (  # noqa: E402
     AdvantageInputs,
     PolicyLossInputs,

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from envs.types import Message, ToolCall  # noqa: E402
+from jointrl.records import Message, ToolCall  # noqa: E402
 from model import chat  # noqa: E402
 
 TOOLS = [

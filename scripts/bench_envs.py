@@ -29,7 +29,7 @@ import envs  # noqa: E402
 from envs.play import ScriptedPolicy, run_episode  # noqa: E402
 from envs.sandbox.bwrap import BwrapBackend  # noqa: E402
 from envs.terminal.domain import AGENT_ENV  # noqa: E402
-from envs.types import Message, ToolCall  # noqa: E402
+from jointrl.records import Message, ToolCall  # noqa: E402
 
 
 def stats_ms(xs: list[float]) -> tuple[float, float]:

@@ -94,7 +94,7 @@ def main() -> None:
     tok = service.tokenizer
 
     def prompt_ids(i: int) -> tuple[int, ...]:
-        from envs.types import Message
+        from jointrl.records import Message
 
         text = chat.render([Message(role="user", content=messages(i)[0]["content"])], add_generation_prompt=True)
         return tuple(tok.encode(text, add_special_tokens=False))

@@ -20,14 +20,13 @@ from typing import Iterator
 from envs.browse.corpus import Corpus, DiskCorpus, write_corpus
 from envs.browse.index import build_index
 from envs.browse.synth import GENERATOR_VERSION, generate
+from jointrl import paths
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PAGES = 10_000
 
 
 def cache_root() -> Path:
-    root = Path(os.environ.get("JOINTRL_CACHE", REPO_ROOT / ".cache"))
-    return root / "browse"
+    return paths.cache_root() / "browse"
 
 
 @dataclass(frozen=True)

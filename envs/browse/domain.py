@@ -28,7 +28,7 @@ from envs.browse.grading import grade_answer
 from envs.browse.server import BrowseClient, BrowseServer, shared_server
 from envs.browse.session import VIRTUAL_HOST, BrowseInputError, BrowseSession
 from envs.tools import ToolArgError, tool
-from envs.types import Limits, Message, Task
+from jointrl.records import Limits, Message, Task
 from rewards.rubric import Rubric, Term
 from rewards.terms import check
 

@@ -35,8 +35,8 @@ from urllib.parse import parse_qs, quote, urlsplit
 from envs.browse.build import BuiltCorpus
 from envs.browse.corpus import Corpus, check_path
 from envs.browse.index import SearchError, SearchHit, SearchIndex
+from jointrl.paths import REPO_ROOT
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
 
 
@@ -179,9 +179,9 @@ class BrowseServer:
             raise TypeError(f"corpus {type(corpus).__name__} cannot be sent to a server process ({e}); "
                             "make it picklable or serve it with process=False") from e
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         self.process = subprocess.Popen([sys.executable, "-m", "envs.browse.server"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env, cwd=str(_REPO_ROOT))
+                                        stdout=subprocess.PIPE, env=env, cwd=str(REPO_ROOT))
         self.process.stdin.write(struct.pack("!Q", len(payload)) + payload)
         self.process.stdin.flush()
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)

@@ -37,7 +37,7 @@ from envs.cad.families import FAMILIES
 from envs.cad.kernel.runner import REPORT_MARKER
 from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits
 from envs.tools import ToolContext, tool
-from envs.types import Message, Task
+from jointrl.records import Message, Task
 from rewards import Rubric, Term, check, malformed_fraction
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernel"

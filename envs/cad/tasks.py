@@ -23,7 +23,7 @@ import threading
 from envs.cad.families import FAMILIES, Family
 from envs.splits import split_by_hash
 from envs.splits import variant_key as _variant_key
-from envs.types import Limits, Message, Task
+from jointrl.records import Limits, Message, Task
 
 ENV_ID = "cad-v0"
 HELDOUT_FRACTION = 0.2

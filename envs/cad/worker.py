@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from envs.cad.kernel.geometry import Comparison
+from jointrl.paths import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _LEN = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 256 << 20
 

@@ -29,7 +29,7 @@ from envs.swe import instances as I
 from envs.swe import libraries as L
 from envs.swe.runner import TEST_ENV, driver_argv
 from envs.tools import ToolArgError, ToolContext, tool
-from envs.types import Message, Task
+from jointrl.records import Message, Task
 from rewards import Rubric, Term, check, malformed_fraction
 
 AGENT_LIMITS = SandboxLimits(workdir_mb=64, tmp_mb=64, max_procs=64, address_space_mb=2048, file_size_mb=32,

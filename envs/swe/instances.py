@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from envs.swe import libraries as L
 from envs.swe.build import HiddenSpan, apply_hidden
 from envs.swe.mutate import Mutation
-from envs.types import Task
+from jointrl.records import Task
 
 
 @functools.lru_cache(maxsize=8)

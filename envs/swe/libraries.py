@@ -25,6 +25,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from jointrl import paths
 
 # Bump when the layout of the cached sources or runtime changes (it is part of their paths).
 CACHE_LAYOUT = "v1"
@@ -114,9 +115,7 @@ def get_library(name: str) -> Library:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("JOINTRL_CACHE")
-    base = Path(root) if root else Path(__file__).resolve().parents[2] / ".cache"
-    return base / "swe"
+    return paths.cache_root() / "swe"
 
 
 def _sha256(path: Path) -> str:

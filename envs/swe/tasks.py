@@ -17,7 +17,7 @@ import threading
 
 from envs.swe import build as B
 from envs.swe.build import Instance
-from envs.types import Limits, Message, Task
+from jointrl.records import Limits, Message, Task
 
 ENV_ID = "swe-v0"
 LIMITS = Limits(max_turns=40, tool_timeout_s=90.0, episode_timeout_s=1200.0, max_obs_chars=6000, max_arg_chars=60_000)

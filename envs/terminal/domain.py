@@ -22,7 +22,7 @@ from envs.terminal.basics import BASIC_FAMILIES
 from envs.terminal.families import FAMILIES
 from envs.terminal.grader import Grader
 from envs.tools import ToolContext, tool
-from envs.types import Message, Task
+from jointrl.records import Message, Task
 from rewards import Rubric, Term, check, malformed_fraction
 
 # The agent's commands see exactly this environment (the sandbox clears the host's). An explicit

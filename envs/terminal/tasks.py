@@ -15,7 +15,7 @@ from envs.terminal.basics import BASIC_FAMILIES
 from envs.terminal.families import FAMILIES, Family, Instance
 from envs.splits import split_by_hash
 from envs.splits import variant_key as _variant_key
-from envs.types import Limits, Message, Task
+from jointrl.records import Limits, Message, Task
 
 ENV_ID = "terminal-v0"
 BASICS_ENV_ID = "terminal-basics-v0"

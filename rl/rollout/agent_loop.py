@@ -23,7 +23,7 @@ import numpy as np
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
-from envs.types import Message, Task
+from jointrl.records import Message, Task
 from rl.log import get_logger
 from rl.rollout.engine import GenerateRequest, GenerateResult
 from rl.types import Episode

@@ -12,7 +12,7 @@ import pytest
 from envs.base import Domain, EnvSetupError, EnvUsageError, ToolEnv, ToolInvocation, clip_observation, messages_for_calls
 from envs.play import ScriptedPolicy, run_episode
 from envs.tools import ToolArgError, ToolContext, tool
-from envs.types import Limits, Message, Task, ToolCall
+from jointrl.records import Limits, Message, Task, ToolCall
 from rewards import Rubric, Term, check, malformed_fraction
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import envs
 from envs import registry
-from envs.types import Message, Task
+from jointrl.records import Message, Task
 
 
 def _tasks(split, seed, n):

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from envs.types import Message, ToolCall
+from jointrl.records import Message, ToolCall
 from model import chat
 from model.chat import (
     CHAT_TEMPLATE,
@@ -370,7 +370,7 @@ def test_parse_conversation_reports_structure_errors():
 
 # --------------------------------------------------------------------------- bad input
 def test_render_rejects_bad_input_with_clear_errors():
-    with pytest.raises(TypeError, match=r"messages\[1\]: expected envs.types.Message"):
+    with pytest.raises(TypeError, match=r"messages\[1\]: expected jointrl.records.Message"):
         render([Message("user", "x"), {"role": "user", "content": "y"}])
     with pytest.raises(TypeError, match="messages: expected a sequence"):
         render(Message("user", "x"))

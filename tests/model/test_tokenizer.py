@@ -15,7 +15,7 @@ import pytest
 
 from model import chat
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import REPO as ROOT
 SHIPPED = ROOT / "model" / "tokenizer"
 SCRIPT = ROOT / "scripts" / "train_tokenizer.py"
 
@@ -139,7 +139,7 @@ def test_vllm_loads_tokenizer_and_renders_the_same_prompt():
     from vllm.renderers.hf import _detect_content_format
     from vllm.tokenizers import get_tokenizer
 
-    from envs.types import Message, ToolCall
+    from jointrl.records import Message, ToolCall
 
     t = get_tokenizer(str(SHIPPED))
     msgs = [Message("system", "s"), Message("user", "hi", images=(b"png",)),
@@ -160,7 +160,7 @@ def test_vllm_builtin_hermes_and_r1_parsers_read_our_format():
     from vllm.tokenizers import get_tokenizer
     from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 
-    from envs.types import Message, ToolCall
+    from jointrl.records import Message, ToolCall
 
     t = get_tokenizer(str(SHIPPED))
     m = Message("assistant", "Let me check.", reasoning="plan {it}",

@@ -1,0 +1,47 @@
+"""Zero-variance group detection per domain, and the over-sampling size (rl/algos/dynamic_sampling.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.rl.algos.algos_refs import random_batch
+from rl.algos.dynamic_sampling import groups_to_sample, zero_variance_groups
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_zero_variance_groups_match_loop(seed):
+    b = random_batch(seed, n_groups=9, group_size=3)
+    keep, m = zero_variance_groups(b.rewards_B, b.group_ids_B, b.domain_ids_B, domain_names={0: "terminal", 10: "swe", 20: "browse"})
+    rewards, groups, domains = b.rewards_B.tolist(), b.group_ids_B.tolist(), b.domain_ids_B.tolist()
+    by_group: dict[int, list[float]] = {}
+    dom_of: dict[int, int] = {}
+    for r, gid, d in zip(rewards, groups, domains):
+        by_group.setdefault(gid, []).append(r)
+        dom_of[gid] = d
+    zero = {gid: max(rs) == min(rs) for gid, rs in by_group.items()}
+    assert keep.tolist() == [not zero[gid] for gid in groups]
+    assert m["dynsample/zero_var_group_frac"] == pytest.approx(sum(zero.values()) / len(zero))
+    for d, name in {0: "terminal", 10: "swe", 20: "browse"}.items():
+        in_d = [gid for gid in by_group if dom_of[gid] == d]
+        if in_d:
+            assert m[f"dynsample/zero_var_group_frac/{name}"] == pytest.approx(sum(zero[gid] for gid in in_d) / len(in_d))
+    assert any(zero.values())  # random_batch makes group 0 all-equal
+
+
+def test_atol_and_singletons_and_errors():
+    r = torch.tensor([1.0, 1.0 + 1e-9, 0.0, 0.5])
+    keep, _ = zero_variance_groups(r, torch.tensor([0, 0, 1, 1]), atol=1e-6)
+    assert keep.tolist() == [False, False, True, True]
+    keep, _ = zero_variance_groups(torch.tensor([3.0]), torch.tensor([0]))
+    assert keep.tolist() == [False]
+    with pytest.raises(ValueError, match="group 0 mixes domains"):
+        zero_variance_groups(r, torch.tensor([0, 0, 1, 1]), torch.tensor([1, 2, 1, 1]))
+
+
+def test_groups_to_sample():
+    assert groups_to_sample(8, 0.5) == 16
+    assert groups_to_sample(8, 1.0) == 8
+    assert groups_to_sample(8, 0.0) == 24  # capped at max_factor 3
+    assert groups_to_sample(10, 0.3, max_factor=10) == 34
+    with pytest.raises(ValueError, match="kept_group_frac=1.5"):
+        groups_to_sample(8, 1.5)
