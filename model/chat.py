@@ -13,8 +13,10 @@ What it does
   `render(m[:k+1])` starts with `render(m[:k])` at every turn boundary k >= 1 (k = 0 too when the
   conversation has no system message or no tools).
 - `parse_assistant` turns generated text back into a `Message` (reasoning, content, tool calls);
-  malformed tool calls are listed in `errors`, never raised. `parse_conversation` inverts
-  `render` for whole conversations.
+  malformed tool calls are listed in `errors` (and `call_errors`), never raised: tool-call JSON is
+  decoded through `jointrl.safejson` under a size and nesting limit (`MAX_CALL_CHARS`,
+  `MAX_CALL_DEPTH`), so over-deep nesting or a 19,000-digit number is an error line, not a
+  `RecursionError` / `ValueError`. `parse_conversation` inverts `render` for whole conversations.
 
 What it does not do
 - Tokenise: callers encode the strings with the tokenizer (special-token strings inside message
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from jointrl import safejson
 from jointrl.records import Message, ToolCall
 
 # --------------------------------------------------------------------------- special tokens
@@ -91,6 +94,19 @@ STOP_TOKEN_IDS: tuple[int, ...] = (IM_END_ID, ENDOFTEXT_ID)
 # Tokens a generation may legitimately contain and a decoder must keep (skip_special_tokens
 # drops only the "special" ones: pad, endoftext, im_start, im_end, image).
 NON_SKIPPED_TOKENS: tuple[str, ...] = SPECIAL_TOKENS[4:10]
+# The chat-structure tokens that text from a user, a tool or a web page must never turn into, or it
+# could forge turns (`<|im_end|><|im_start|>assistant`). The thinking / tool-call markers are not
+# here: text may legitimately quote them, and they only mean something inside an assistant turn.
+STRUCTURE_TOKENS: tuple[str, ...] = (PAD_TOKEN, ENDOFTEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, IMAGE_TOKEN)
+
+
+def defuse(text: str, specials: Sequence[str] = STRUCTURE_TOKENS) -> str:
+    """Break up every special-token string in `text` (a zero-width space after its first two
+    characters) so the tokenizer cannot read it as that token; text without one is returned as is."""
+    for s in specials:
+        if s in text:
+            text = text.replace(s, s[:2] + "\u200b" + s[2:])
+    return text
 
 # What vLLM's `ReasoningConfig(reasoning_start_str=..., reasoning_end_str=...)` needs for
 # `SamplingParams.thinking_token_budget`: each string must encode to exactly one token id.
@@ -215,11 +231,15 @@ class ParsedAssistant:
         text); empty when the text is in the canonical format.
     ended: True when the text contained `<|im_end|>` (False e.g. when generation hit a length cap
         or the engine stripped the stop token from its text).
+    call_errors: the lines of `errors` that are about a `<tool_call>` block which did not become a
+        call (bad JSON, no name, no closing tag, over the parser's limits): one per dropped call,
+        in text order. An environment answers these as malformed calls (`ToolEnv.step(parse_errors=)`).
     """
 
     message: Message
     errors: tuple[str, ...] = ()
     ended: bool = False
+    call_errors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -400,30 +420,39 @@ def to_template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- parsing
-_DECODER = json.JSONDecoder()
 _NAME_RE = re.compile(r'\{\s*"name"\s*:\s*')
 _ARGS_RE = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 _CLOSE_RE = re.compile(r"\s*\}\s*\Z")
+# Parser limits (docs/chat_format.md, "Parsing limits"). A `<tool_call>` body longer than
+# MAX_CALL_CHARS is reported, not decoded; JSON nested deeper than MAX_CALL_DEPTH (the call object is
+# level 1, its arguments level 2) is reported before decoding, so the decoder never recurses deeply.
+# Both sit far above what an environment accepts (envs.tools: max_arg_chars, MAX_ARG_DEPTH), so the
+# environment, not the codec, is what tells the model its arguments are too big.
+MAX_CALL_CHARS = 1_000_000
+MAX_CALL_DEPTH = 65
 
 
 def _parse_call(inner: str, idx: int) -> tuple[str, str] | str:
-    """(name, raw arguments text) of one `<tool_call>` body, or an error line."""
+    """(name, raw arguments text) of one `<tool_call>` body, or an error line. Never raises."""
     inner = inner.strip()
+    if len(inner) > MAX_CALL_CHARS:
+        return f"tool call {idx}: {len(inner)} characters; the parser's limit is {MAX_CALL_CHARS}: {inner[:200]!r}"
     # Fast path for the canonical layout {"name": ..., "arguments": {...}}: keep the exact
     # arguments text the model wrote (history must be reproduced verbatim).
     m = _NAME_RE.match(inner)
     if m:
         try:
-            name, k = _DECODER.raw_decode(inner, m.end())
+            # Decoding starts inside the call object, so the values there may nest one level less.
+            name, k = safejson.raw_decode(inner, m.end(), max_depth=MAX_CALL_DEPTH - 1)
             m2 = _ARGS_RE.match(inner, k)
             if m2:
-                args, k2 = _DECODER.raw_decode(inner, m2.end())
+                args, k2 = safejson.raw_decode(inner, m2.end(), max_depth=MAX_CALL_DEPTH - 1)
                 if _CLOSE_RE.match(inner, k2) and isinstance(name, str) and name and isinstance(args, dict):
                     return name, inner[m2.end() : k2]
         except ValueError:
             pass  # the general path below reports the JSON error
     try:
-        obj = json.loads(inner)
+        obj = safejson.loads(inner, max_depth=MAX_CALL_DEPTH)
     except ValueError as e:
         return f"tool call {idx}: invalid JSON ({e}): {inner[:200]!r}"
     if not isinstance(obj, dict):
@@ -432,19 +461,23 @@ def _parse_call(inner: str, idx: int) -> tuple[str, str] | str:
         return f"tool call {idx}: missing 'name': {inner[:200]!r}"
     name = obj["name"]
     if not isinstance(name, str) or not name:
-        return f"tool call {idx}: 'name' must be a non-empty string, got {name!r}"
+        return f"tool call {idx}: 'name' must be a non-empty string, got {repr(name)[:100]}"
+    shown = repr(name[:100])
     args = obj.get("arguments", {})
     if isinstance(args, str):  # some models double-encode; accept a string holding an object
         try:
-            args = json.loads(args)
-        except ValueError:
-            return f"tool call {idx} ({name!r}): 'arguments' is a string that is not JSON: {obj['arguments'][:200]!r}"
+            args = safejson.loads(args, max_depth=MAX_CALL_DEPTH - 1)
+        except ValueError as e:
+            return f"tool call {idx} ({shown}): 'arguments' is a string that is not JSON ({e}): {obj['arguments'][:200]!r}"
     if not isinstance(args, dict):
-        return f"tool call {idx} ({name!r}): 'arguments' must be a JSON object, got {type(args).__name__}"
+        return f"tool call {idx} ({shown}): 'arguments' must be a JSON object, got {type(args).__name__}"
     extra = sorted(set(obj) - {"name", "arguments"})
     if extra:
-        return f"tool call {idx} ({name!r}): unexpected keys {extra}"
-    return name, json.dumps(args, ensure_ascii=False)
+        return f"tool call {idx} ({shown}): unexpected keys {[k[:100] for k in extra[:10]]}"
+    try:
+        return name, json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError) as e:  # decoded under the depth limit, so not expected; kept as a guard
+        return f"tool call {idx} ({shown}): arguments cannot be re-encoded ({type(e).__name__})"
 
 
 def parse_assistant(text: str, turn: int = 0) -> ParsedAssistant:
@@ -457,6 +490,7 @@ def parse_assistant(text: str, turn: int = 0) -> ParsedAssistant:
     if not isinstance(text, str):
         raise TypeError(f"parse_assistant: text must be a str, got {type(text).__name__}")
     errors: list[str] = []
+    call_errors: list[str] = []
     body = text
     if body.startswith(ASSISTANT_HEADER):
         body = body[len(ASSISTANT_HEADER) :]
@@ -512,20 +546,23 @@ def parse_assistant(text: str, turn: int = 0) -> ParsedAssistant:
                 errors.append(f"text between tool calls ignored: {between[:200]!r}")
             stop = rest.find(TOOL_CALL_END_TOKEN, start)
             if stop < 0:
-                errors.append(f"tool call {idx}: no closing {TOOL_CALL_END_TOKEN}: {rest[start:start + 200]!r}")
+                call_errors.append(f"tool call {idx}: no closing {TOOL_CALL_END_TOKEN}: {rest[start:start + 200]!r}")
+                errors.append(call_errors[-1])
                 break
             inner = rest[start + len(TOOL_CALL_START_TOKEN) : stop]
             if TOOL_CALL_START_TOKEN in inner:
-                errors.append(f"tool call {idx}: nested {TOOL_CALL_START_TOKEN}: {inner[:200]!r}")
+                call_errors.append(f"tool call {idx}: nested {TOOL_CALL_START_TOKEN}: {inner[:200]!r}")
+                errors.append(call_errors[-1])
             else:
                 got = _parse_call(inner, idx)
                 if isinstance(got, str):
+                    call_errors.append(got)
                     errors.append(got)
                 else:
                     calls.append(ToolCall(id=tool_call_id(turn, len(calls)), name=got[0], arguments=got[1]))
             pos, idx = stop + len(TOOL_CALL_END_TOKEN), idx + 1
     msg = Message(role="assistant", content=content, tool_calls=tuple(calls), reasoning=reasoning or None)
-    return ParsedAssistant(message=msg, errors=tuple(errors), ended=ended)
+    return ParsedAssistant(message=msg, errors=tuple(errors), ended=ended, call_errors=tuple(call_errors))
 
 
 def parse_conversation(text: str) -> ParsedConversation:

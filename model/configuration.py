@@ -20,7 +20,7 @@ from transformers import PreTrainedConfig
 LINEAR_ATTENTION = "linear_attention"  # Gated Delta layer (transformers' name, as in Qwen3-Next)
 INDEXED_ATTENTION = "indexed_attention"  # Gated DSA layer (transformers' name for indexer-based attention)
 _LAYER_TYPES = (LINEAR_ATTENTION, INDEXED_ATTENTION)
-# vLLM's CPU attention and CPU gated-delta kernels refuse other sizes (FACTS.md); we keep every shipped
+# vLLM's CPU attention and CPU gated-delta kernels refuse other sizes (docs/platform.md); we keep every shipped
 # config inside this set, but do not forbid other sizes for pure-PyTorch use.
 VLLM_CPU_HEAD_DIMS = (64, 128)
 
@@ -174,7 +174,7 @@ class HybridMoeConfig(PreTrainedConfig):
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     def vllm_cpu_servable_sizes(self) -> bool:
-        """True when every head size is one vLLM's CPU kernels accept (FACTS.md)."""
+        """True when every head size is one vLLM's CPU kernels accept (docs/platform.md)."""
         return all(d in VLLM_CPU_HEAD_DIMS for d in (self.head_dim, self.linear_key_head_dim, self.linear_value_head_dim))
 
 

@@ -17,7 +17,7 @@ How the architecture maps onto Qwen3-Next (model/modeling.py was built Qwen3-Nex
   (text-only serving; the indexer cannot change the output in the dense regime).
 - The aux-loss-free routing bias (`mlp.gate.e_score_correction_bias`) has no counterpart in Qwen3-Next:
   it is accepted only when it is all zeros (otherwise expert choice would differ) and refused otherwise.
-- vLLM's CPU gated-delta kernel needs bf16 and linear-attention head dims 64/128 (FACTS.md); refused
+- vLLM's CPU gated-delta kernel needs bf16 and linear-attention head dims 64/128 (docs/platform.md); refused
   otherwise, with the reason.
 
 What it does not do: serve images, or sparse attention on GPUs.

@@ -31,27 +31,17 @@ log = get_logger("runtime")
 
 
 def build_initial_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
-    """A shipped model shape (or a HF checkpoint dir, copied as is) + the shipped tokenizer, in `out_dir`."""
-    import model  # noqa: F401
-    from model.chat import TOKENIZER_DIR
+    """A shipped model shape with fresh weights, or a HF checkpoint dir copied as is, in `out_dir`;
+    either way with a tokenizer (the shipped one where the checkpoint has none)."""
+    from model.shipped import build_random_checkpoint, copy_tokenizer
 
     out_dir = Path(out_dir)
-    if (out_dir / "config.json").exists():
-        return out_dir
     src = Path(arch)
-    if src.is_dir() and (src / "config.json").exists():
+    if not (src.is_dir() and (src / "config.json").exists()):
+        return build_random_checkpoint(arch, out_dir, seed)
+    if not (out_dir / "config.json").exists():
         shutil.copytree(src, out_dir, dirs_exist_ok=True)
-    else:
-        from model.modeling import HybridMoeForCausalLM
-        from model.shipped import load_shipped_config
-
-        torch.manual_seed(seed)
-        m = HybridMoeForCausalLM(load_shipped_config(arch))
-        m.save_pretrained(out_dir)
-    for f in Path(TOKENIZER_DIR).iterdir():
-        if f.is_file() and not (out_dir / f.name).exists():
-            shutil.copy(f, out_dir / f.name)
-    return out_dir
+    return copy_tokenizer(out_dir)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ import asyncio
 import hashlib
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -186,19 +185,6 @@ def _text_content(content: Any, where: str) -> str:
                f"{where}.content")
 
 
-# The chat-structure tokens a client's text must not turn into (same rule as the agent loop's
-# `_defuse`: a zero-width space after the first two characters), so user or tool text cannot forge
-# turns. The thinking / tool-call markers stay: text may legitimately quote them.
-_STRUCTURE_TOKENS = (chat.PAD_TOKEN, chat.ENDOFTEXT_TOKEN, chat.IM_START_TOKEN, chat.IM_END_TOKEN, chat.IMAGE_TOKEN)
-
-
-def defuse(text: str) -> str:
-    for s in _STRUCTURE_TOKENS:
-        if s in text:
-            text = text.replace(s, s[:2] + "\u200b" + s[2:])
-    return text
-
-
 def _parse_tool_call(d: Any, where: str) -> ToolCall:
     if not isinstance(d, Mapping):
         raise _bad(f"{where} must be an object", where)
@@ -241,7 +227,7 @@ def parse_message(d: Any, i: int) -> Message:
             raise _bad(f"{where}: only assistant messages may carry tool_calls (role {role!r})", f"{where}.tool_calls")
         if role == "tool" and d.get("tool_call_id") is not None and not isinstance(d.get("tool_call_id"), str):
             raise _bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
-        return Message(role=role, content=defuse(content), tool_call_id=d.get("tool_call_id") if role == "tool" else None)
+        return Message(role=role, content=chat.defuse(content), tool_call_id=d.get("tool_call_id") if role == "tool" else None)
     raw_calls = d.get("tool_calls") or []
     if not isinstance(raw_calls, list):
         raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
@@ -1086,71 +1072,15 @@ class PreparedModel:
     is_hybrid: bool
 
 
-def _copy_tokenizer(dst: Path) -> None:
-    for f in chat.TOKENIZER_DIR.iterdir():
-        if f.is_file() and f.name != "corpus_manifest.json":
-            shutil.copy(f, dst / f.name)
-
-
-def build_shipped_checkpoint(name: str, out_dir: Path, seed: int) -> Path:
-    """The shipped config `name` with fresh random weights (torch seed `seed`) + the shipped tokenizer."""
-    import torch
-
-    from model import HybridMoeForCausalLM, load_shipped_config
-
-    out_dir = Path(out_dir)
-    if (out_dir / ".complete").exists():
-        return out_dir
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    cfg = load_shipped_config(name)
-    torch.manual_seed(seed)
-    m = HybridMoeForCausalLM(cfg)
-    m.save_pretrained(tmp)
-    _copy_tokenizer(tmp)
-    (tmp / ".complete").write_text(json.dumps({"config": name, "seed": seed}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    return out_dir
-
-
-def build_test_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
-    """A tiny random-weight Qwen3-MoE (vLLM-native) with the shipped tokenizer (vocab 8192), for tests and benchmarks.
-
-    Until the HybridMoe vLLM plugin is available this is what the server's tests serve: the chat
-    format, thinking budgets and tool calls depend on the tokenizer, not on the architecture.
-    head_dim 64 (vLLM's CPU attention supports it); expert width 64 (a multiple of 32, no padding
-    in the CPU MoE kernel).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    out = Path(out_dir)
-    if (out / ".complete").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3MoeConfig(
-        vocab_size=8192, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=64, intermediate_size=2 * hidden_size, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
-        eos_token_id=chat.IM_END_ID, bos_token_id=None, pad_token_id=chat.PAD_ID, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
-    _copy_tokenizer(out)
-    (out / ".complete").write_text(json.dumps({"kind": "qwen3_moe test checkpoint", "seed": seed}))
-    return out
-
-
 def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
     """Resolve the `MODEL_OR_CKPT` argument to a checkpoint directory vLLM can load."""
-    from model.shipped import SHIPPED_CONFIGS
+    from model.shipped import SHIPPED_CONFIGS, build_random_checkpoint
 
     if model_or_ckpt in SHIPPED_CONFIGS and not Path(model_or_ckpt).is_dir():
         from jointrl.paths import cache_root
 
         root = Path(settings.cache_dir) if settings.cache_dir else cache_root() / "serve"
-        path = build_shipped_checkpoint(model_or_ckpt, root / f"{model_or_ckpt}-seed{settings.seed}", settings.seed)
+        path = build_random_checkpoint(model_or_ckpt, root / f"{model_or_ckpt}-seed{settings.seed}", settings.seed)
         name = model_or_ckpt
     else:
         path = Path(model_or_ckpt)
@@ -1159,16 +1089,10 @@ def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
         name = path.resolve().name
     cfg = json.loads((path / "config.json").read_text())
     is_hybrid = cfg.get("model_type") == "hybrid_moe" or "HybridMoeForCausalLM" in (cfg.get("architectures") or [])
-    if is_hybrid:
-        import importlib.util
-
-        if importlib.util.find_spec("model.vllm_plugin") is None:
-            raise ServeError("serving HybridMoeForCausalLM needs the vLLM plugin model/vllm_plugin.py, which is not in this "
-                             "checkout yet; serve a vLLM-supported HF checkpoint directory instead")
     has_delta = "linear_attention" in (cfg.get("layer_types") or [])
     dtype = settings.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if has_delta else "float32"  # vLLM's CPU delta-rule kernel requires bf16 (FACTS.md)
+        dtype = "bfloat16" if has_delta else "float32"  # vLLM's CPU delta-rule kernel requires bf16 (docs/platform.md)
     missing = [f for f in ("tokenizer.json", "tokenizer_config.json") if not (path / f).is_file()]
     if missing:
         raise ServeError(f"{path}: no {missing}; the server needs the project tokenizer next to the weights (copy model/tokenizer/*)")

@@ -1,7 +1,9 @@
-"""Typed records that cross component boundaries in the RL loop: episodes, groups, batches, metrics.
+"""Typed records that cross component boundaries in the RL loop: episodes, groups, step metrics.
 
-Data only. Producers: the agent loop (Episode), the driver (RolloutGroup, TrainBatch).
-Consumers: rl/algos (tensors built from these), the trainer, the metrics logger.
+Data only. Producers: the agent loop (Episode), the driver (RolloutGroup, StepMetrics). Consumers:
+the trainer (which packs episodes into its own tensor batch, `rl/trainer/batch.py: TrainBatch`),
+the metrics logger and the report. Records shared with environments (Message, Task, ...) live in
+`jointrl.records`.
 """
 from __future__ import annotations
 

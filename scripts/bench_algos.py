@@ -17,7 +17,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "rl"))
 
 from tests.rl.algos.algos_refs import random_batch, ref_aggregate, ref_gae, ref_grpo, ref_ppo_token, tolist2  # noqa: E402
 from rl.algos import (  # noqa: E402

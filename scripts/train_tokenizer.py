@@ -12,11 +12,11 @@ What it does
 - Writes tokenizer.json, tokenizer_config.json (with `model.chat.CHAT_TEMPLATE`),
   special_tokens_map.json and corpus_manifest.json (versions + sha256 of every corpus group, so
   a reproduction check can tell "different environment" from "non-deterministic training").
-- Prints bytes/token per corpus group and on held-out text (stdlib modules, seed articles if
+- Prints bytes/token per corpus group and on held-out text (stdlib modules, the repo's docs/ if
   present), for docs/chat_format.md.
 
 What it does not do
-- Download anything, or use the seed articles / stdlib for training (held-out only).
+- Download anything, or use docs/ / stdlib for training (held-out only).
 
 Run: .venv/bin/python scripts/train_tokenizer.py [--out model/tokenizer]
 Running it again reproduces the shipped files byte for byte (tests/model/test_tokenizer.py).
@@ -79,7 +79,8 @@ PACKAGE_SOURCES: tuple[PackageSource, ...] = (
 )
 # Held-out text for the printed compression figures only (never trained on).
 HELD_OUT_STDLIB = ("json/decoder.py", "argparse.py", "subprocess.py", "pathlib.py", "pydoc_data/topics.py")
-HELD_OUT_SEEDS = Path("/work/shared/seeds")
+# The project's own prose (never in the training corpus) stands in for English technical text.
+HELD_OUT_DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @dataclass(frozen=True)
@@ -501,8 +502,8 @@ def write_files(tok, groups: tuple[CorpusGroup, ...], out: Path) -> None:
 def held_out_texts() -> list[tuple[str, str]]:
     std = Path(sysconfig.get_paths()["stdlib"])
     out = [(f"stdlib:{n}", (std / n).read_text(encoding="utf-8")) for n in HELD_OUT_STDLIB if (std / n).is_file()]
-    if HELD_OUT_SEEDS.is_dir():
-        out.append(("seed articles", "\n".join(p.read_text(encoding="utf-8") for p in sorted(HELD_OUT_SEEDS.glob("*.txt")))))
+    if HELD_OUT_DOCS.is_dir():
+        out.append(("docs/*.md", "\n".join(p.read_text(encoding="utf-8") for p in sorted(HELD_OUT_DOCS.glob("*.md")))))
     return out
 
 

@@ -1,6 +1,6 @@
 """Warm CadQuery worker processes for the trusted side of cad-v0 (grading and task pictures).
 
-Importing cadquery costs 2-3 s and ~480 MB (FACTS.md), far too much per grade, so a small pool of
+Importing cadquery costs 2-3 s and ~480 MB (docs/platform.md), far too much per grade, so a small pool of
 worker processes keeps it imported. Each worker is `python -m envs.cad.worker`, talking
 length-prefixed JSON over its stdin and a private copy of its stdout (its fd 1 is pointed at stderr
 so that anything OCC prints cannot corrupt the protocol). JSON, not pickle: a worker parses

@@ -6,7 +6,7 @@ What one sandbox (`BwrapBackend.open`) gives, and how:
   lifetime, exclusive across processes. bwrap runs *as* that uid with a user namespace mapping it
   to itself, so the agent has no capabilities and files it creates on the host belong to it.
   RLIMIT_NPROC therefore counts the sandbox's processes only.
-* **Filesystem.** A new root tmpfs, remounted read-only (FACTS: without `--remount-ro /` it stays
+* **Filesystem.** A new root tmpfs, remounted read-only (docs/platform.md: without `--remount-ro /` it stays
   writable); the host's `/usr` read-only plus the `/bin`, `/lib*` links; a minimal `/etc` (a few
   files, a synthetic passwd/group/hosts); fresh `/proc` and `/dev` (its tmpfs read-only, a small
   `/dev/shm`); a private size-limited `/tmp`; and `/work`, a host directory on a size- and

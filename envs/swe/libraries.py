@@ -1,7 +1,7 @@
 """The source libraries of swe-v0: pinned sdists fetched with pip, their licences, layouts and test runs.
 
 Each `Library` names a small pure-Python project whose source distribution ships its tests
-(FACTS.md: toolz, cachetools, tabulate, more-itertools). `ensure_source(lib)` downloads the pinned
+(docs/platform.md: toolz, cachetools, tabulate, more-itertools). `ensure_source(lib)` downloads the pinned
 sdist with `pip download --no-binary NAME --no-deps` into the cache (`$JOINTRL_CACHE/swe` or
 `.cache/swe`), checks its sha256 and unpacks it once; nothing from these projects is committed to
 this repository. `ensure_runtime()` assembles the *test runtime*: a directory holding pytest and

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from jointrl.records import Message, Task
+from model import chat
 from rl.log import get_logger
 from rl.rollout.engine import GenerateRequest, GenerateResult
 from rl.types import Episode
@@ -67,7 +68,7 @@ class LoopSettings:
     # prefill is split). False: vLLM's own per-step randomness (not reproducible across runs).
     per_request_seed: bool = True
     # Strings that must not appear verbatim in tool output (the tokenizer's special tokens).
-    special_strings: tuple[str, ...] = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image|>")
+    special_strings: tuple[str, ...] = chat.STRUCTURE_TOKENS
 
 
 class BatchingGenerator:
@@ -192,10 +193,7 @@ def _defuse(m: Message, specials: Sequence[str]) -> Message:
     An environment's output (a file the agent cat-ed, a web page) could otherwise contain
     `<|im_end|><|im_start|>assistant` and forge turns the policy never wrote.
     """
-    text = m.content
-    for s in specials:
-        if s in text:
-            text = text.replace(s, s[:2] + "\u200b" + s[2:])
+    text = chat.defuse(m.content, specials)
     if text == m.content:
         return m
     from dataclasses import replace

@@ -11,7 +11,7 @@ What it does
   logprobs), used to measure the train/inference logprob gap.
 - `update_weights(named_tensors)`: loads new weights in place (vLLM's `reload_weights` through
   `collective_rpc`), then redoes the CPU fused-MoE prepack that vLLM skips on weight updates
-  (FACTS.md: `UnquantizedFusedMoEMethod._setup_kernel` only prepacks on first load, so after a
+  (docs/platform.md: `UnquantizedFusedMoEMethod._setup_kernel` only prepacks on first load, so after a
   reload the CPU grouped-GEMM kernel would read checkpoint-layout weights as if prepacked), rebuilds
   the CPU GEMM handle of tied embeddings (the loader skips `lm_head`, whose packed copy would stay
   stale), drops the prefix cache and running requests' KV (computed by the old weights) and bumps

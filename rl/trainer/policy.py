@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from model.shipped import copy_tokenizer
 from rl.log import get_logger
 from rl.trainer.batch import TrainBatch, logits_window, token_logprobs
 
@@ -52,7 +53,7 @@ def _free_port() -> int:
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
-    """Bring up torch.distributed the way DeepSpeed expects, without a launcher (FACTS.md)."""
+    """Bring up torch.distributed the way DeepSpeed expects, without a launcher (docs/platform.md)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -323,16 +324,8 @@ class PolicyTrainer:
             self.module.save_pretrained(out, state_dict=sd)
         else:
             self.module.save_pretrained(out)
-        self._copy_tokenizer(out)
+        copy_tokenizer(out, src=self.model_dir)
         return str(out)
-
-    def _copy_tokenizer(self, out: Path) -> None:
-        import shutil
-
-        src = Path(self.model_dir)
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
-            if (src / f).exists() and not (out / f).exists():
-                shutil.copy(src / f, out / f)
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], client_state: dict | None = None) -> None:
         state = dict(client_state or {})

@@ -54,10 +54,11 @@ def test_register_is_idempotent_and_never_raises(monkeypatch, caplog):
 @pytest.mark.slow
 def test_bf16_engine_gap_is_within_hf_own_bf16_noise_before_and_after_an_update(tmp_path):
     from rl.rollout.engine import EngineConfig, EngineError, GenerateRequest, RolloutEngine
-    from rl.rollout.testing import ReferenceJob, build_hybrid_checkpoint, run_reference
+    from tests.helpers.reference import ReferenceJob, run_reference
+    from model.shipped import build_random_checkpoint
     from rl.weights import make_buckets, unpack_bucket
 
-    ckpt = build_hybrid_checkpoint(tmp_path / "hyb", "tiny")
+    ckpt = build_random_checkpoint("tiny", tmp_path / "hyb")
     seqs = fixed_sequences(4, 64, seed=1, low=20, high=8000)
     r32 = run_reference(ReferenceJob(checkpoint=str(ckpt), out_dir=str(tmp_path / "r32"), sequences=seqs, num_steps=1, perturb_scale=0.2))
     r16 = run_reference(ReferenceJob(checkpoint=str(ckpt), out_dir=str(tmp_path / "r16"), sequences=seqs, num_steps=1, perturb_scale=0.2,

@@ -18,7 +18,8 @@ import pytest
 
 from model import chat
 from rl.config import RolloutSection
-from rl.serve import ServeSettings, build_test_checkpoint, parse_chat_request
+from rl.serve import ServeSettings, parse_chat_request
+from tests.helpers.checkpoints import build_test_checkpoint
 from tests.rl.serve_fixture import Server, running_server
 
 pytestmark = pytest.mark.slow

@@ -371,20 +371,3 @@ def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
         prepare_model(str(tmp_path), SETTINGS)
     assert cli_main(["serve", str(tmp_path / "nope"), "--port", "1"]) == 2
     assert "neither a shipped model config" in capsys.readouterr().err
-
-
-def test_shipped_config_is_built_once_with_fixed_seed(tmp_path):
-    from safetensors import safe_open
-
-    from rl.serve import build_shipped_checkpoint
-
-    a = build_shipped_checkpoint("tiny", tmp_path / "a", seed=0)
-    b = build_shipped_checkpoint("tiny", tmp_path / "b", seed=0)
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
-        assert (a / f).is_file()
-    with safe_open(a / "model.safetensors", "pt") as fa, safe_open(b / "model.safetensors", "pt") as fb:
-        keys = sorted(fa.keys())
-        assert keys == sorted(fb.keys()) and any(".experts.0." in k for k in keys)  # per-expert layout vLLM loads
-        assert all(fa.get_tensor(k).equal(fb.get_tensor(k)) for k in keys)
-    assert json.loads((a / "config.json").read_text())["model_type"] == "hybrid_moe"
-    assert chat.load_tokenizer(a).convert_tokens_to_ids(chat.THINK_END_TOKEN) == chat.THINK_END_ID

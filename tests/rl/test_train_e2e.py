@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_qwen_moe(tmp_path_factory) -> Path:
-    from rl.serve import build_test_checkpoint
+    from tests.helpers.checkpoints import build_test_checkpoint
 
     return build_test_checkpoint(tmp_path_factory.mktemp("qmoe"))
 

@@ -6,7 +6,7 @@ and a Ray round trip proving the receiving side reads the object store in place.
 
 Engine part (slow, one vLLM engine for the module): a real `RolloutWorkerImpl` on a tiny Qwen3-MoE
 receives syncs as Ray object refs. Oracles are HF logprobs computed in a child process
-(`rl.rollout.testing.run_reference`): after an fp32 sync the engine serves the trainer's weights;
+(`tests.helpers.reference.run_reference`): after an fp32 sync the engine serves the trainer's weights;
 after an MXFP4 sync it serves exactly the *dequantized* weights (HF on a checkpoint whose expert
 weights went through `model.mxfp4.fake_quantize_mxfp4`), which proves the sync path adds nothing
 beyond the quantisation itself. The gap to the unquantized trainer weights is measured and printed.
@@ -120,7 +120,8 @@ def setup(tmp_path_factory):
 
     from model.mxfp4 import fake_quantize_mxfp4
     from model.mxfp4_export import plan_tensor
-    from rl.rollout.testing import ReferenceJob, TinyModelSpec, build_tiny_checkpoint, run_reference
+    from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+    from tests.helpers.reference import ReferenceJob, run_reference
 
     ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("moe"), TinyModelSpec(kind="qwen3_moe"))
     ref = run_reference(ReferenceJob(checkpoint=str(ckpt), out_dir=str(tmp_path_factory.mktemp("ref")), sequences=SEQS,

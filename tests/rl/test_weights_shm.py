@@ -446,7 +446,8 @@ def test_worker_serves_a_shm_sync_like_an_object_store_sync(tmp_path_factory, ra
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
     from rl.rollout.engine import EngineConfig
-    from rl.rollout.testing import ReferenceJob, TinyModelSpec, build_tiny_checkpoint, run_reference
+    from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+    from tests.helpers.reference import ReferenceJob, run_reference
     from rl.rollout.worker import RolloutWorkerImpl
 
     from tests.rl.rollout.rollout_helpers import fixed_sequences, max_abs_diff

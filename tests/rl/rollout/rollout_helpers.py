@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rl.rollout.testing import SPECIAL_TOKENS
+from tests.helpers.checkpoints import SPECIAL_TOKENS
 
 # Token ids of the trained tiny tokenizer: special tokens come first, in SPECIAL_TOKENS order.
 EOS_ID = SPECIAL_TOKENS.index("<|endoftext|>")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rl.rollout.engine import EngineConfig, GenerateRequest, RolloutEngine
-from rl.rollout.testing import ReferenceJob, TinyModelSpec, build_tiny_checkpoint, run_reference
+from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+from tests.helpers.reference import ReferenceJob, run_reference
 from rl.weights import make_buckets, unpack_bucket
 
 from tests.rl.rollout.rollout_helpers import cut_at_eos, fixed_sequences, max_abs_diff

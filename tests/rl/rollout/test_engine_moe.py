@@ -2,7 +2,7 @@
 
 One engine for the whole module (vLLM start-up ~15 s). Tests run in file order: the ones that
 change the engine's weights come last. Oracle: HF's own logprobs / greedy tokens on the same weights,
-computed in a child process (rl.rollout.testing.run_reference) after each seeded perturbation.
+computed in a child process (tests.helpers.reference.run_reference) after each seeded perturbation.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rl.rollout.engine import EngineConfig, EngineError, GenerateRequest, RolloutEngine, thinking_budget_for_tier
-from rl.rollout.testing import ReferenceJob, TinyModelSpec, build_tiny_checkpoint, run_reference
+from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+from tests.helpers.reference import ReferenceJob, run_reference
 from rl.weights import make_buckets, to_checkpoint_format, unpack_bucket
 
 from tests.rl.rollout.rollout_helpers import END_THINK_ID, THINK_ID, cut_at_eos, fixed_sequences, max_abs_diff

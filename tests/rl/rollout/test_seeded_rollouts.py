@@ -158,7 +158,7 @@ MAX_LEN = 2048
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """Tiny random Qwen3-MoE (head_dim 64 for the CPU attention kernel) with the project's tokenizer."""
-    from rl.serve import build_test_checkpoint
+    from tests.helpers.checkpoints import build_test_checkpoint
 
     return build_test_checkpoint(tmp_path_factory.mktemp("seeded_moe"))
 
@@ -335,9 +335,9 @@ def test_hybrid_model_serves_long_seeded_prompts(engine, tmp_path):
     mode splits prefills at 256-token blocks whatever the budget (measured: crash on 400-token prompts), so
     the engine is built without prefix caching; long seeded prompts finish and replay in another batch."""
     from rl.rollout.engine import EngineConfig, RolloutEngine
-    from rl.rollout.testing import build_hybrid_checkpoint
+    from model.shipped import build_random_checkpoint
 
-    ck = build_hybrid_checkpoint(tmp_path / "hybrid", "tiny")
+    ck = build_random_checkpoint("tiny", tmp_path / "hybrid")
     eng = RolloutEngine(EngineConfig(model_path=str(ck), dtype="auto", max_model_len=1024, kv_cache_gib=0.25))
     try:
         vc = eng.llm.llm_engine.vllm_config

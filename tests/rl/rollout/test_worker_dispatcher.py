@@ -14,7 +14,8 @@ import torch
 
 from rl.rollout.dispatcher import RolloutDispatcher
 from rl.rollout.engine import EngineConfig, GenerateRequest
-from rl.rollout.testing import ReferenceJob, TinyModelSpec, build_tiny_checkpoint, run_reference
+from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+from tests.helpers.reference import ReferenceJob, run_reference
 from rl.rollout.worker import rollout_worker_actor
 from rl.weights import make_buckets
 

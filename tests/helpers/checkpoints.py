@@ -1,16 +1,20 @@
-"""Tiny local checkpoints (random weights + a locally trained byte-level BPE) for tests and benchmarks.
+"""Tiny random-weight checkpoints of vLLM-native architectures, for tests and benchmarks only.
 
-No hub access exists on the build machines, so every model the rollout tests and
-`scripts/bench_rollout.py` use is built here from a transformers config class with random weights
-and written with `save_pretrained`, next to a tokenizer trained in a second on a built-in corpus.
-The tokenizer carries the special tokens the rollout path relies on (`<think>`, `</think>`,
-`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`), each a single token.
+No hub access exists on the build machines, so the tests build their models here from a
+transformers config class with random weights, written with `save_pretrained`:
+- `build_tiny_checkpoint(dir, TinyModelSpec(...))`: Qwen3-MoE / Qwen3 / Qwen2 sizes, next to a
+  byte-level BPE trained in a second on a built-in corpus (`<think>`, `</think>`, `<|im_start|>`,
+  `<|im_end|>`, `<|endoftext|>` each a single token);
+- `build_test_checkpoint(dir)`: a Qwen3-MoE that speaks the project's chat format (the shipped
+  tokenizer, vocab 8192), what the serve, seeded-rollout and e2e tests serve.
 
-What this module does not do: ship a real model or tokenizer (that is `model/`), or anything at
-run time of a training job.
+What this module does not do: build the project's own model (`model.shipped.build_random_checkpoint`
+does, for tests and training runs alike), or anything a training job needs at run time.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,121 +147,31 @@ def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSp
     return out
 
 
-# ----------------------------------------------------------------------------- HF reference (run in a child process)
-@dataclass(frozen=True)
-class ReferenceJob:
-    """What the HF reference process computes, for each of `num_steps + 1` weight states.
+def build_test_checkpoint(out_dir: str | os.PathLike[str], seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
+    """A tiny random-weight Qwen3-MoE with the shipped tokenizer (vocab 8192).
 
-    State 0 is the checkpoint as saved; state s >= 1 adds seeded Gaussian noise (`perturb_scale` x the
-    tensor's std) to every >= 2-D parameter of state s-1, in the trainer's in-memory (fused) layout.
-    For each state it records teacher-forced logprobs of `sequences` and greedy continuations of
-    `prompts`, and saves the in-memory state dict (what a trainer would sync) to `out_dir/state_{s}.pt`.
+    fp32 and vLLM-native, so it starts faster than the HybridMoe plugin path (which needs bf16 on
+    CPU); the chat format, thinking budgets and tool calls depend on the tokenizer, not on the
+    architecture. head_dim 64 (vLLM's CPU attention supports it); expert width 64 (a multiple of
+    32, no padding in the CPU MoE kernel).
     """
-
-    checkpoint: str
-    out_dir: str
-    sequences: tuple[tuple[int, ...], ...]
-    prompts: tuple[tuple[int, ...], ...] = ()
-    greedy_new_tokens: int = 8
-    num_steps: int = 0
-    perturb_scale: float = 0.05
-    seed: int = 1234
-    dtype: str = "float32"
-
-
-def run_reference(job: ReferenceJob, timeout_s: float = 600.0) -> list[dict]:
-    """Run `job` in a fresh Python process (vLLM may have patched HF classes in this one).
-
-    Returns one dict per state: {"logprobs": [np.ndarray [T-1]], "greedy": [tuple[int]], "state_path": str}.
-    """
-    import json
-    import subprocess
-    import sys
-
-    import numpy as np
     import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    Path(job.out_dir).mkdir(parents=True, exist_ok=True)
-    job_path = Path(job.out_dir, "job.json")
-    job_path.write_text(json.dumps(job.__dict__))
-    proc = subprocess.run(
-        [sys.executable, "-m", "rl.rollout.testing", str(job_path)],
-        cwd=str(Path(__file__).resolve().parents[2]),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"HF reference process failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = torch.load(Path(job.out_dir, "reference.pt"))
-    return [
-        {"logprobs": [np.asarray(x, dtype=np.float64) for x in st["logprobs"]], "greedy": [tuple(g) for g in st["greedy"]], "state_path": st["state_path"]}
-        for st in out
-    ]
-
-
-def build_hybrid_checkpoint(out_dir: str | Path, config_name: str = "tiny", seed: int = 0, **overrides) -> Path:
-    """A random-weight `HybridMoeForCausalLM` checkpoint (shipped config) plus the project's tokenizer."""
-    import shutil
-
-    import torch
-
-    import model  # noqa: F401
-    from model.modeling import HybridMoeForCausalLM
-    from model.shipped import load_shipped_config
+    from model import chat
+    from model.shipped import copy_tokenizer
 
     out = Path(out_dir)
+    if (out / ".complete").exists():
+        return out
     out.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3MoeConfig(
+        vocab_size=8192, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=64, intermediate_size=2 * hidden_size, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
+        eos_token_id=chat.IM_END_ID, bos_token_id=None, pad_token_id=chat.PAD_ID, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    m = HybridMoeForCausalLM(load_shipped_config(config_name, **overrides))
-    m.save_pretrained(out)
-    tok_dir = Path(__file__).resolve().parents[2] / "model" / "tokenizer"
-    for f in tok_dir.iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, out / f.name)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    copy_tokenizer(out)
+    (out / ".complete").write_text(json.dumps({"kind": "qwen3_moe test checkpoint", "seed": seed}))
     return out
-
-
-def _reference_main(job_path: str) -> None:
-    import json
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    job = ReferenceJob(**json.loads(Path(job_path).read_text()))
-    if json.loads(Path(job.checkpoint, "config.json").read_text()).get("model_type") == "hybrid_moe":
-        import model  # noqa: F401  (registers HybridMoe with transformers' Auto classes)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job.dtype]
-    model = AutoModelForCausalLM.from_pretrained(job.checkpoint, dtype=dtype)
-    model.eval()
-    gen = torch.Generator().manual_seed(job.seed)
-    states = []
-    for step in range(job.num_steps + 1):
-        if step > 0:
-            with torch.no_grad():
-                for _, p in model.named_parameters():
-                    if p.dim() >= 2:
-                        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-                        p.add_((noise * job.perturb_scale * p.float().std()).to(p.dtype))
-        logprobs = []
-        with torch.no_grad():
-            for seq in job.sequences:
-                ids_1T = torch.tensor([seq])
-                logits_1TV = model(ids_1T).logits.float()
-                lp_TV = torch.log_softmax(logits_1TV[0, :-1], dim=-1)
-                logprobs.append(lp_TV.gather(1, ids_1T[0, 1:, None])[:, 0].double().tolist())
-            greedy = []
-            for prompt in job.prompts:
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=job.greedy_new_tokens, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
-                greedy.append(out[0, len(prompt):].tolist())
-        state_path = str(Path(job.out_dir, f"state_{step}.pt"))
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, state_path)
-        states.append({"logprobs": logprobs, "greedy": greedy, "state_path": state_path})
-    torch.save(states, Path(job.out_dir, "reference.pt"))
-
-
-if __name__ == "__main__":
-    import sys
-
-    _reference_main(sys.argv[1])

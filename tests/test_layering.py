@@ -1,0 +1,109 @@
+"""The project's import graph: every module imports alone, and the layers point one way.
+
+    rl -> envs -> rewards -> jointrl
+    rl -> model ----------> jointrl
+
+`jointrl` (shared records and paths) is the leaf; `model` and `rewards` import neither `envs` nor
+`rl`; `envs` does not import `rl` or `model`. The direction check reads every import statement of
+every module, function-level (lazy) imports included, so a cycle cannot hide behind a late import.
+The import-alone check starts a fresh interpreter per module, so an order-dependent import (one that
+works only because a test imported something else first) fails here.
+"""
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import REPO
+
+PACKAGES = ("jointrl", "rewards", "model", "envs", "rl")
+# What each package may import from the project (besides itself).
+ALLOWED: dict[str, frozenset[str]] = {
+    "jointrl": frozenset(),
+    "rewards": frozenset({"jointrl"}),
+    "model": frozenset({"jointrl"}),
+    "envs": frozenset({"jointrl", "rewards"}),
+    "rl": frozenset({"jointrl", "rewards", "model", "envs"}),
+}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out.append((".".join(parts), path))
+    return out
+
+
+MODULES = _modules()
+
+
+def _project_imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, top-level project package) for every import in the file, relative ones resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                names = [node.module or ""]
+        for n in names:
+            top = n.split(".")[0]
+            if top in PACKAGES:
+                found.append((node.lineno, top))
+    return sorted(found)
+
+
+def _violations(module: str, path: Path) -> list[str]:
+    own = module.split(".")[0]
+    return [f"{path.name}:{line}: {own} imports {top}" for line, top in _project_imports(module, path)
+            if top != own and top not in ALLOWED[own]]
+
+
+def test_every_package_is_covered():
+    tops = {m.split(".")[0] for m, _ in MODULES}
+    assert tops == set(PACKAGES)
+    assert len(MODULES) > 100  # the walk found the tree, not an empty folder
+
+
+def test_no_import_points_against_the_layers():
+    bad = [v for module, path in MODULES for v in _violations(module, path)]
+    assert not bad, "imports against the layer direction:\n" + "\n".join(bad)
+
+
+def test_the_direction_check_sees_lazy_and_relative_imports(tmp_path):
+    # The checker itself, on a file written to break both rules in ways a top-of-file scan would miss.
+    f = tmp_path / "x.py"
+    f.write_text("import os\n\ndef late():\n    from rl import train\n\nfrom . import sibling\nfrom ..swe import grader\n")
+    assert _project_imports("envs.swe.sub.x", f) == [(4, "rl"), (6, "envs"), (7, "envs")]
+    assert _violations("envs.swe.sub.x", f) == ["x.py:4: envs imports rl"]
+    assert _violations("rl.x", f) == []
+
+
+def _import_alone(module: str) -> tuple[str, int, str]:
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "JOINTRL_PROGRESS": "0",
+                                            "PYTHONDONTWRITEBYTECODE": "1"})
+    return module, proc.returncode, proc.stderr[-1500:]
+
+
+@pytest.mark.slow
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(_import_alone, [m for m, _ in MODULES]))
+    failed = [f"{m} (rc {rc}):\n{err}" for m, rc, err in results if rc != 0]
+    assert not failed, f"{len(failed)} of {len(results)} modules fail to import alone:\n" + "\n\n".join(failed)
