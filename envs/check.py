@@ -15,7 +15,7 @@
   malformed      text without a call, bad JSON, a non-object, an unknown tool, a wrongly typed and an
                  oversize argument each get an error message, count as malformed, and the episode goes on
 The per-tool timeout cannot be triggered generically (it needs a slow tool); each domain's tests
-cover it (tests/envs/test_terminal.py for terminal-v0).
+cover it (tests/envs/terminal/test_domain.py for terminal-v0).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the router aux loss vs transformers' Mixtral load_balancing_loss_func. Prints figures side by side.
 
 Run: .venv/bin/python scripts/bench_algos.py [--threads N]
-The loop references are tests/rl/algos_refs.py (pure Python); sizes are kept small enough that the
+The loop references are tests/rl/algos/algos_refs.py (pure Python); sizes are kept small enough that the
 whole run takes well under a minute on 2 cores. Not a test: numbers depend on the machine.
 """
 from __future__ import annotations
