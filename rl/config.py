@@ -50,13 +50,16 @@ class ModelSection:
     """Which policy to train."""
 
     arch: str = "tiny"  # a shipped model config (configs/model/<name>.json), or a path to a HF checkpoint dir
-    tokenizer: str = "default"  # "default" = the tokenizer the project ships (model/tokenizer/)
     dtype: Literal["float32", "bfloat16"] = "float32"  # trainer dtype
     seed: int = 0
     router_aux_loss_coef: float = 0.001  # small during RL (public practice); always logged
     router_z_loss_coef: float = 0.0
     freeze_router_bias: bool = True  # aux-loss-free bias frozen during RL
     routing_replay: Literal["auto", "r3", "r2", "off"] = "auto"  # auto: R3 if the engine reports routes, else R2
+    # The KL reference (read when algorithm.kl_coef > 0 or algorithm.kl_in_reward): "initial" freezes
+    # the policy as RL starts (after any SFT warm start; saved in the run dir, so resumes reuse it),
+    # or a path to a HF checkpoint dir of the same architecture.
+    reference: str = "initial"
 
 
 @dataclass
@@ -98,7 +101,8 @@ class EnvsSection:
 class AlgorithmSection:
     """RL math choices; names refer to registries in rl/algos."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_pp"] = "grpo"
+    # Outcome estimators only: `gae` needs a critic, which the trainer does not have yet.
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = "ppo_clip"
     aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "domain_token_mean"] = "domain_token_mean"
     group_size: int = 4  # G samples per task
@@ -106,18 +110,18 @@ class AlgorithmSection:
     clip_high: float = 0.28  # DAPO clip-higher
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in_reward: bool = False
+    kl_in_reward: bool = False  # subtract kl_coef x the episode's summed k1 KL to the reference from its reward
     tis_cap: float = 2.0  # truncated importance sampling cap (rollout vs trainer logprobs); <=0 disables
+    # filter: drop groups whose rewards are all equal (DAPO); oversample: also roll out more tasks until
+    # trainer.tasks_per_step groups have signal, at most oversample_factor x tasks_per_step tasks in all
     dynamic_sampling: Literal["off", "filter", "oversample"] = "filter"
-    gamma: float = 1.0
-    lam: float = 1.0
+    oversample_factor: float = 2.0
 
 
 @dataclass
 class TrainerSection:
     """DeepSpeed trainer."""
 
-    num_workers: int = 1
     zero_stage: Literal[0, 1, 2, 3] = 1
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -129,8 +133,7 @@ class TrainerSection:
     sft_lr: float = 1e-3
     sft_tasks_per_domain: int = 0  # train tasks whose reference solutions make the SFT set; 0 = max(4, 4 x tasks_per_step)
     tasks_per_step: int = 4
-    async_mode: bool = False
-    max_staleness: int = 1
+    async_mode: bool = False  # the update of step n overlaps the rollout of step n+1 (policy lag <= 1)
     sync_bucket_mb: int = 64
     sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
     # auto: /dev/shm when every rollout worker shares the trainer's node (and it has room), else Ray's
@@ -333,7 +336,6 @@ def validate(cfg: RunConfig) -> None:
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer.tasks_per_step": cfg.trainer.tasks_per_step,
         "rollout.num_workers": cfg.rollout.num_workers,
-        "trainer.num_workers": cfg.trainer.num_workers,
         "rollout.max_model_len": cfg.rollout.max_model_len,
         "eval.samples": cfg.eval.samples,
     }
@@ -347,6 +349,15 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError("config key 'eval.samples': more than one sample per task needs eval.temperature > 0 "
                           "(greedy samples are identical)")
+    if cfg.algorithm.oversample_factor < 1.0:
+        raise ConfigError(f"config key 'algorithm.oversample_factor': value {cfg.algorithm.oversample_factor} must be >= 1")
+    if cfg.algorithm.kl_coef < 0:
+        raise ConfigError(f"config key 'algorithm.kl_coef': value {cfg.algorithm.kl_coef} must be >= 0")
+    if cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0:
+        raise ConfigError("config key 'algorithm.kl_in_reward': needs algorithm.kl_coef > 0 (the penalty's coefficient)")
+    if cfg.model.reference != "initial" and not (Path(cfg.model.reference) / "config.json").is_file():
+        raise ConfigError(f"config key 'model.reference': {cfg.model.reference!r} is neither 'initial' nor a checkpoint "
+                          "directory with config.json")
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"config key 'trainer.lr': value {cfg.trainer.lr} must be > 0")
 

@@ -65,6 +65,7 @@ class Runtime:
         self.start_step = 0
         self.policy_version = 0
         self._actors: list[Any] = []
+        self._ref_cache: dict[tuple[int, ...], Any] = {}
 
     # ------------------------------------------------------------------ start / stop
     @classmethod
@@ -145,7 +146,7 @@ class Runtime:
         cfg = self.cfg
         a = cfg.algorithm
         self.objective = RLObjective(policy_loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high,
-                                     tis_cap=a.tis_cap, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                     tis_cap=a.tis_cap, kl_coef=0.0 if a.kl_in_reward else a.kl_coef, kl_estimator=a.kl_estimator,
                                      router_aux_coef=cfg.model.router_aux_loss_coef, router_z_coef=cfg.model.router_z_loss_coef)
         spec = TrainerSpec(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                            grad_clip=cfg.trainer.grad_clip, warmup_steps=cfg.trainer.warmup_steps,
@@ -223,15 +224,18 @@ class Runtime:
 
         return asyncio.run(go())
 
-    def rollout(self, tasks: Sequence[Task], step: int) -> tuple[list[RolloutGroup], dict[str, float]]:
-        """G episodes per task. Sampling seeds depend on (run seed, step, task, sample, turn) only, so
-        a run resumed at `step` replays what an uninterrupted run would (docs/rollout.md, Determinism)."""
-        from rl.rollout.agent_loop import rollout_seed
+    def rollout(self, tasks: Sequence[Task], step: int, draw: int = 0) -> tuple[list[RolloutGroup], dict[str, float]]:
+        """G episodes per task. Sampling seeds depend on (run seed, step, draw, task, sample, turn) only,
+        so a run resumed at `step` replays what an uninterrupted run would (docs/rollout.md,
+        Determinism); `draw` numbers the extra rollouts of one step (oversampling)."""
+        from rl.rollout.agent_loop import derive_seed, rollout_seed
+
         from rl.telemetry import rollout_metrics
 
         t0 = time.perf_counter()
         G = self.cfg.algorithm.group_size
-        eps = self._run_groups(tasks, G, seed=rollout_seed(self.cfg.envs.seed, step))
+        seed = rollout_seed(self.cfg.envs.seed, step)
+        eps = self._run_groups(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
         groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
         m = rollout_metrics(groups, self.tok, policy_version=self.policy_version)
         m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
@@ -253,8 +257,11 @@ class Runtime:
 
         episodes = [e for g in groups for e in g.episodes]
         batch = self._batch(episodes, adv)
+        ref = self._ref_cache.pop(tuple(id(e) for e in episodes), None)  # computed for the reward penalty
+        if ref is not None:
+            batch = batch.with_(ref_logprobs_BT=ref)
         trainer_version = ray.get(self.trainer.version.remote())
-        staleness = trainer_version - min(e.policy_version for e in episodes)
+        staleness = trainer_version - min(e.policy_version for e in episodes)  # the largest lag in the batch
         return (self.trainer.rl_step.remote(batch), float(staleness))
 
     def wait_train(self, pending: Any) -> dict[str, float]:
@@ -263,7 +270,55 @@ class Runtime:
         ref, staleness = pending
         m = dict(ray.get(ref))
         m["policy/staleness"] = staleness
+        m["rollout/max_staleness_seen"] = staleness
+        m["trainer/world_size"] = 1.0  # one DeepSpeed rank (docs/training.md)
         return m
+
+    # ------------------------------------------------------------------ KL reference
+    @property
+    def uses_reference(self) -> bool:
+        a = self.cfg.algorithm
+        return a.kl_coef > 0 or a.kl_in_reward
+
+    def prepare_reference(self) -> None:
+        """Load the KL reference on the trainer: a named checkpoint, or (`model.reference: initial`) the
+        policy as RL starts, saved once under the run dir so a resumed run keeps the same reference."""
+        import ray
+
+        if not self.uses_reference:
+            return
+        ref = self.cfg.model.reference
+        if ref == "initial":
+            d = self.run_dir / "reference"
+            if not (d / ".complete").exists():
+                shutil.rmtree(d, ignore_errors=True)
+                ray.get(self.trainer.save_hf.remote(str(d)))
+                (d / ".complete").write_text(json.dumps({"policy_version": self.policy_version}))
+            ref = str(d)
+        ray.get(self.trainer.load_reference.remote(ref))
+        log.info("KL reference loaded from %s", ref)
+
+    def penalise_kl(self, groups: Sequence[RolloutGroup]) -> tuple[list[RolloutGroup], dict[str, float]]:
+        """kl_in_reward: each episode's reward minus kl_coef x its summed per-token k1 KL between the
+        sampling policy (the engine's logprobs) and the reference (InstructGPT-style penalty, summed
+        because the advantage estimators here take one outcome per episode)."""
+        import ray
+
+        from dataclasses import replace
+
+        from rl.algos.kl import kl_reward_penalty
+
+        episodes = [e for g in groups for e in g.episodes]
+        batch = self._batch(episodes, [0.0] * len(episodes))
+        ref_BT = ray.get(self.trainer.reference_logprobs.remote(batch))
+        penalty_BT, m = kl_reward_penalty(batch.rollout_logprobs_BT, ref_BT, batch.loss_mask_BT > 0,
+                                          coef=self.cfg.algorithm.kl_coef, estimator="k1")
+        pen_B = penalty_BT.sum(dim=1).tolist()
+        it = iter(pen_B)
+        out = [replace(g, episodes=tuple(replace(e, reward=e.reward + next(it)) for e in g.episodes)) for g in groups]
+        new_eps = [e for g in out for e in g.episodes]
+        self._ref_cache = {tuple(id(e) for e in new_eps): ref_BT}  # the update reuses this pass
+        return out, m
 
     def sft_warm_start(self, steps: int) -> dict[str, float]:
         """Supervised warm start on reference trajectories of train tasks (all weighted domains)."""

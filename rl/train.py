@@ -56,6 +56,22 @@ def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[Rollou
     return kept, metrics
 
 
+def oversample(rt, step: int, groups: list[RolloutGroup], want: int, max_tasks: int) -> tuple[list[RolloutGroup], int]:
+    """DAPO's dynamic sampling (Yu et al. 2025): roll out more tasks until `want` groups have reward
+    variance, drawing at most `max_tasks` tasks in the step. Returns every group rolled out and how
+    many extra tasks were drawn; the caller filters."""
+    extra, draw = 0, 0
+    n_signal = len(dynamic_sampling(groups, "filter")[0])
+    while n_signal < want and len(groups) < max_tasks:
+        draw += 1
+        n = min(want - n_signal, max_tasks - len(groups))
+        more, _ = rt.rollout(rt.sampler.sample(n), step, draw=draw)
+        groups = groups + more
+        extra += n
+        n_signal += len(dynamic_sampling(more, "filter")[0])
+    return groups, extra
+
+
 def run(cfg: RunConfig, runtime=None) -> dict:
     """Train according to `cfg`; returns a summary (before/after eval tables, last metrics)."""
     from rl.runtime import Runtime
@@ -67,6 +83,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         if rt.start_step == 0 and cfg.trainer.sft_steps > 0:
             summary["sft"] = rt.sft_warm_start(cfg.trainer.sft_steps)   # supervised warm start on reference trajectories
             rt.sync_weights()
+        rt.prepare_reference()                                                 # the KL reference, when one is configured
         summary["before"] = rt.evaluate("before")
         bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
         t_run = time.perf_counter()
@@ -75,6 +92,9 @@ def run(cfg: RunConfig, runtime=None) -> dict:
             t0 = time.perf_counter()
             tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
             groups, roll_m = rt.rollout(tasks, step)                           # roll out G episodes per task (graded in-env)
+            if cfg.algorithm.dynamic_sampling == "oversample":                 # more tasks until enough groups carry signal
+                n = cfg.trainer.tasks_per_step
+                groups, roll_m["rollout/oversampled_tasks"] = oversample(rt, step, groups, n, int(n * cfg.algorithm.oversample_factor))
             t_roll = time.perf_counter()
             kept, ds_m = dynamic_sampling(groups, cfg.algorithm.dynamic_sampling)
             rt.sampler.observe({d: 1.0 - v for d, v in
@@ -85,6 +105,9 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                 train_m = rt.wait_train(pending)
                 sync_m = rt.sync_weights()
                 pending = None
+            if kept and cfg.algorithm.kl_in_reward:                            # reward -= kl_coef x KL(pi || pi_ref)
+                kept, kl_m = rt.penalise_kl(kept)
+                ds_m.update(kl_m)
             if kept:
                 adv = compute_advantages(kept, cfg.algorithm.advantage,
                                          norm_std=cfg.algorithm.advantage != "dr_grpo")          # advantages

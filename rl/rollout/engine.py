@@ -102,7 +102,7 @@ class EngineConfig:
             raise EngineError("EngineConfig.reasoning_start and reasoning_end must both be set or both be None")
 
     @staticmethod
-    def from_rollout_section(section: Any, model_path: str, seed: int = 0) -> "EngineConfig":
+    def from_rollout_section(section: "RolloutSection", model_path: str, seed: int = 0) -> "EngineConfig":
         """Build from `rl.config.RolloutSection` (dtype 'auto' -> float32 where the kernels allow it)."""
         return EngineConfig(
             model_path=str(model_path),

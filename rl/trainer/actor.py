@@ -34,14 +34,32 @@ class TrainerWorker:
         return self.t.compute_logprobs(batch)
 
     def rl_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Old-policy logprobs (recording routes for R2 when the engine gave none), then one update."""
+        """Old-policy logprobs (recording routes for R2 when the engine gave none), reference
+        logprobs when a reference is loaded (unless the batch brings them), then one update."""
+        from rl.algos.kl import kl_per_token
+
         t0 = time.perf_counter()
         old_lp, routes = self.t.compute_logprobs(batch)
         t_old = time.perf_counter() - t0
         if routes is not None:
             batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
+        extra: dict[str, float] = {}
+        if self.t.reference is not None:
+            t1 = time.perf_counter()
+            if batch.ref_logprobs_BT is None:
+                batch = batch.with_(ref_logprobs_BT=self.t.reference_logprobs(batch))
+            mask = batch.loss_mask_BT > 0
+            # KL(pi_old || pi_ref) on the step's generated tokens, k3 (Schulman 2020), before the update.
+            kl_BT, _ = kl_per_token(old_lp, batch.ref_logprobs_BT, mask, "k3")
+            extra = {"kl/ref_mean": float(kl_BT.sum() / mask.sum().clamp_min(1)), "train/ref_logprob_s": time.perf_counter() - t1}
         m = self.t.train_step(batch.with_(old_logprobs_BT=old_lp))
-        return {**m, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}
+        return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}
+
+    def load_reference(self, model_dir: str) -> None:
+        self.t.load_reference(model_dir)
+
+    def reference_logprobs(self, batch: TrainBatch):
+        return self.t.reference_logprobs(batch)
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.t.sft_step(batch)

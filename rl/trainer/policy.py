@@ -129,13 +129,28 @@ class PolicyTrainer:
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.step_count = 0
         self.version = 0
+        self.reference: torch.nn.Module | None = None
+
+    def load_reference(self, model_dir: str | os.PathLike[str]) -> None:
+        """Freeze the checkpoint at `model_dir` as the KL reference (pi_ref).
+
+        The reference is a plain module in this process, in the trainer's dtype, with no gradients
+        and no optimizer state: on one rank it adds the weights once (no Adam moments), about a
+        third of what the trainable copy costs in fp32 with AdamW. It is not sharded across ranks.
+        """
+        ref = load_policy(model_dir, self.spec.dtype)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.reference = ref
 
     # ------------------------------------------------------------------ forward helpers
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _forward(self, batch: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool):
+    def _forward(self, batch: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool,
+                 module: torch.nn.Module | None = None):
         # Logits only where a loss-masked target needs them (the prompt carries no loss).
         kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                   logits_to_keep=logits_window(batch.loss_mask_BT))
@@ -145,7 +160,7 @@ class PolicyTrainer:
             B, T, L, K = replay_BTLK.shape
             # [B, T, L, k] -> [L, B*T, k]; padding (-1) replays expert 0, which no trained token reads.
             kw["routed_experts"] = replay_BTLK.clamp_min(0).permute(2, 0, 1, 3).reshape(L, B * T, K)
-        return self.engine(**kw)
+        return (module or self.engine)(**kw)
 
     def _routes_used_LNK(self, out, router_logits) -> torch.Tensor | None:
         """The expert ids the forward actually used, [L, B*T, k] (for the router terms)."""
@@ -188,6 +203,22 @@ class PolicyTrainer:
         lp = torch.cat(out_lp)
         routes = _cat_padded(out_routes) if out_routes else None
         return lp, routes
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Reference-policy logprobs [B, T] of the batch's tokens. Where the policy replays routes
+        (R3 from the engine, R2 recorded by `compute_logprobs`), the reference replays the same
+        ones, so the KL compares the two policies on the experts the tokens were generated with."""
+        if self.reference is None:
+            raise RuntimeError("reference_logprobs: no reference model is loaded (load_reference first)")
+        replay = self.routing_mode(batch) != "off" and batch.routed_experts_BTLK is not None
+        out = []
+        for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
+            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+            o = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
+                              module=self.reference)
+            out.append(token_logprobs(o.logits, mb.input_ids_BT))
+        return torch.cat(out)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -96,3 +96,58 @@ def test_cluster_launcher_validates_and_builds_a_job_submit_command():
 def test_yaml_words_off_on_yes_no_stay_strings():
     cfg = load_config(None, ["algorithm.dynamic_sampling=off", "rollout.enforce_eager=true"])
     assert cfg.algorithm.dynamic_sampling == "off" and cfg.rollout.enforce_eager is True
+
+
+# ----------------------------------------------------------------------------- no dead keys
+def _section_reads() -> set[str]:
+    """`section.key` for every config key that code outside rl/config.py reads.
+
+    Reads are attribute accesses in the code (docstrings and comments do not count): `X.key` where
+    X ends in `.section` (`cfg.trainer.lr`), is a name bound from one (`a = cfg.algorithm`), or is a
+    parameter annotated with the section's class (`section: RolloutSection`).
+    """
+    import ast
+    import dataclasses
+
+    from rl.config import RunConfig
+
+    sections = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(RunConfig)
+                if dataclasses.is_dataclass(getattr(RunConfig(), f.name))}
+    reads: set[str] = set()
+    files = [p for d in ("rl", "scripts") for p in (REPO / d).rglob("*.py") if p.name != "config.py"]
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr in sections:
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        aliases[t.id] = node.value.attr
+            if isinstance(node, ast.arg) and node.annotation is not None:
+                ann = ast.unparse(node.annotation)
+                for sec, cls in sections.items():
+                    if cls in ann:
+                        aliases[node.arg] = sec
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            base = node.value
+            if isinstance(base, ast.Attribute) and base.attr in sections:
+                reads.add(f"{base.attr}.{node.attr}")
+            elif isinstance(base, ast.Name) and base.id in aliases:
+                reads.add(f"{aliases[base.id]}.{node.attr}")
+    return reads
+
+
+def test_every_config_key_is_read_by_the_code():
+    import dataclasses
+
+    from rl.config import RunConfig
+
+    cfg = RunConfig()
+    keys = {f"{f.name}.{sf.name}" for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(getattr(cfg, f.name))
+            for sf in dataclasses.fields(getattr(cfg, f.name))}
+    reads = _section_reads()
+    assert "trainer.lr" in reads and "rollout.kv_cache_gib" in reads  # the walk sees direct and parameter reads
+    dead = sorted(keys - reads)
+    assert not dead, f"config keys nothing reads (wire them or remove them): {dead}"
