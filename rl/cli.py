@@ -103,7 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 from rl.config import to_dict
 
+                from rl.runtime import describe_placement
+
                 print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+                print("# placement")
+                for line in describe_placement(cfg):
+                    print(line)
                 return 0
             return _call("rl.train", "main", "training", cfg)
         if args.cmd == "eval":

@@ -44,6 +44,25 @@ def build_initial_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
     return copy_tokenizer(out_dir)
 
 
+TRAINER_CPUS = 1  # Ray resources of the trainer actor (one DeepSpeed rank)
+ROLLOUT_CPUS = 1  # Ray resources of each rollout worker actor
+
+
+def describe_placement(cfg: RunConfig) -> list[str]:
+    """One line per role of the run and where it is placed (what `jointrl train --dry-run` prints)."""
+    ray_at = os.environ.get("RAY_ADDRESS") or "a local Ray instance started by the run"
+    lines = [f"ray: {ray_at}",
+             f"trainer: 1 DeepSpeed rank (ZeRO-{cfg.trainer.zero_stage}, {cfg.model.dtype}), num_cpus={TRAINER_CPUS}, "
+             "scheduled by Ray on any node with room"]
+    a = cfg.algorithm
+    if a.kl_coef > 0 or a.kl_in_reward:
+        lines.append(f"reference: frozen {cfg.model.reference!r} policy inside the trainer rank's process")
+    lines.append(f"rollout: {cfg.rollout.num_workers} vLLM worker(s), num_cpus={ROLLOUT_CPUS} each, behind the "
+                 "driver's dispatcher; weight sync via /dev/shm when on the trainer's node, else the object store")
+    lines.append(f"environments: sandboxes run by the driver's agent loop, up to {cfg.rollout.max_concurrent_episodes} episodes at once")
+    return lines
+
+
 @dataclass(frozen=True)
 class EvalRow:
     domain: str
@@ -153,7 +172,7 @@ class Runtime:
                            micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
                            routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias)
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
-        Actor = trainer_actor(num_cpus=1)
+        Actor = trainer_actor(num_cpus=TRAINER_CPUS)
         self.trainer = Actor.remote(str(init_dir), spec, self.objective, cache_env)
         self._actors.append(self.trainer)
         info = ray.get(self.trainer.ready.remote())
@@ -167,7 +186,7 @@ class Runtime:
         cfg = self.cfg
         ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed)
         env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "XDG_"))}
-        Actor = rollout_worker_actor(num_cpus=1)
+        Actor = rollout_worker_actor(num_cpus=ROLLOUT_CPUS)
         self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
         log.info("rollout workers ready: %s", self.rollout_engine.health())
 

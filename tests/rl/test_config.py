@@ -151,3 +151,13 @@ def test_every_config_key_is_read_by_the_code():
     assert "trainer.lr" in reads and "rollout.kv_cache_gib" in reads  # the walk sees direct and parameter reads
     dead = sorted(keys - reads)
     assert not dead, f"config keys nothing reads (wire them or remove them): {dead}"
+
+
+def test_dry_run_prints_the_config_and_every_role_s_placement(capsys):
+    from rl.cli import main
+
+    assert main(["train", str(REPO / "configs" / "quickstart.yaml"), "algorithm.kl_coef=0.1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    placement = out.split("# placement\n", 1)[1].splitlines()
+    assert [line.split(":", 1)[0] for line in placement] == ["ray", "trainer", "reference", "rollout", "environments"]
+    assert "ZeRO-1" in placement[1] and "kl_coef: 0.1" in out
