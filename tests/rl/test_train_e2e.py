@@ -8,6 +8,7 @@ the engines' start-up cost paid once.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,8 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
         assert r["mismatch/logprob_abs_max"] < 2e-2
         assert r["policy/version"] >= 1
         # the KL reference (the policy after SFT) is loaded, and its penalty is folded into the rewards
-        assert r["kl/ref_mean"] >= 0 and r["kl/reward_penalty_per_seq"] <= 0 and r["kl/coef"] == 0.05
+        # (k3 is >= 0 per token; the k1 sum in the reward penalty may take either sign)
+        assert r["kl/ref_mean"] >= 0 and math.isfinite(r["kl/reward_penalty_per_seq"]) and r["kl/coef"] == 0.05
         assert r["trainer/world_size"] == 1 and r["rollout/max_staleness_seen"] == 0  # sync mode: no lag
         # the step-time breakdown is logged every step and adds up
         parts = r["time/rollout_generate_s"] + r["time/rollout_tools_s"] + r["time/rollout_grade_s"]
