@@ -122,6 +122,9 @@ class AlgorithmSection:
 class TrainerSection:
     """DeepSpeed trainer."""
 
+    num_workers: int = 1  # DeepSpeed ranks, one Ray actor each in one placement group (rl/trainer/group.py)
+    cpus_per_rank: float = 1.0  # Ray resources of each rank's bundle
+    gpus_per_rank: float = 0.0  # > 0: NCCL between ranks; 0: gloo on CPU
     zero_stage: Literal[0, 1, 2, 3] = 1
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -133,7 +136,8 @@ class TrainerSection:
     sft_lr: float = 1e-3
     sft_tasks_per_domain: int = 0  # train tasks whose reference solutions make the SFT set; 0 = max(4, 4 x tasks_per_step)
     tasks_per_step: int = 4
-    async_mode: bool = False  # the update of step n overlaps the rollout of step n+1 (policy lag <= 1)
+    async_mode: bool = False  # updates overlap later steps' rollouts
+    max_staleness: int = 1  # async mode: at most this many updates run behind the rollouts (policy-version lag <= k)
     sync_bucket_mb: int = 64
     sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
     # auto: /dev/shm when every rollout worker shares the trainer's node (and it has room), else Ray's
@@ -336,6 +340,8 @@ def validate(cfg: RunConfig) -> None:
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer.tasks_per_step": cfg.trainer.tasks_per_step,
         "rollout.num_workers": cfg.rollout.num_workers,
+        "trainer.num_workers": cfg.trainer.num_workers,
+        "trainer.cpus_per_rank": cfg.trainer.cpus_per_rank,
         "rollout.max_model_len": cfg.rollout.max_model_len,
         "eval.samples": cfg.eval.samples,
     }
@@ -349,6 +355,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError("config key 'eval.samples': more than one sample per task needs eval.temperature > 0 "
                           "(greedy samples are identical)")
+    if cfg.trainer.max_staleness < 1:
+        raise ConfigError(f"config key 'trainer.max_staleness': value {cfg.trainer.max_staleness} must be >= 1")
+    if cfg.trainer.gpus_per_rank < 0:
+        raise ConfigError(f"config key 'trainer.gpus_per_rank': value {cfg.trainer.gpus_per_rank} must be >= 0")
     if cfg.algorithm.oversample_factor < 1.0:
         raise ConfigError(f"config key 'algorithm.oversample_factor': value {cfg.algorithm.oversample_factor} must be >= 1")
     if cfg.algorithm.kl_coef < 0:

@@ -44,19 +44,21 @@ def build_initial_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
     return copy_tokenizer(out_dir)
 
 
-TRAINER_CPUS = 1  # Ray resources of the trainer actor (one DeepSpeed rank)
 ROLLOUT_CPUS = 1  # Ray resources of each rollout worker actor
 
 
 def describe_placement(cfg: RunConfig) -> list[str]:
     """One line per role of the run and where it is placed (what `jointrl train --dry-run` prints)."""
     ray_at = os.environ.get("RAY_ADDRESS") or "a local Ray instance started by the run"
+    t = cfg.trainer
     lines = [f"ray: {ray_at}",
-             f"trainer: 1 DeepSpeed rank (ZeRO-{cfg.trainer.zero_stage}, {cfg.model.dtype}), num_cpus={TRAINER_CPUS}, "
-             "scheduled by Ray on any node with room"]
+             f"trainer: {t.num_workers} DeepSpeed rank(s) (ZeRO-{t.zero_stage}, {cfg.model.dtype}, "
+             f"{'NCCL' if t.gpus_per_rank else 'gloo'}), one placement-group bundle each "
+             f"{{CPU: {t.cpus_per_rank}{f', GPU: {t.gpus_per_rank}' if t.gpus_per_rank else ''}}}, packed; "
+             "rank 0 hosts the rendezvous and publishes weights"]
     a = cfg.algorithm
     if a.kl_coef > 0 or a.kl_in_reward:
-        lines.append(f"reference: frozen {cfg.model.reference!r} policy inside the trainer rank's process")
+        lines.append(f"reference: frozen {cfg.model.reference!r} policy inside each trainer rank's process")
     lines.append(f"rollout: {cfg.rollout.num_workers} vLLM worker(s), num_cpus={ROLLOUT_CPUS} each, behind the "
                  "driver's dispatcher; weight sync via /dev/shm when on the trainer's node, else the object store")
     lines.append(f"environments: sandboxes run by the driver's agent loop, up to {cfg.rollout.max_concurrent_episodes} episodes at once")
@@ -85,6 +87,7 @@ class Runtime:
         self.policy_version = 0
         self._actors: list[Any] = []
         self._ref_cache: dict[tuple[int, ...], Any] = {}
+        self._next_update_version: int | None = None  # read from the trainer when nothing is in flight
 
     # ------------------------------------------------------------------ start / stop
     @classmethod
@@ -156,10 +159,8 @@ class Runtime:
         return replace(t, limits=limits, thinking=t.thinking if t.thinking in ("low", "high", "max") else tier)
 
     def _start_trainer(self, init_dir: Path, resume: bool) -> None:
-        import ray
-
         from rl.objective import RLObjective
-        from rl.trainer.actor import trainer_actor
+        from rl.trainer.group import TrainerGroup, TrainerResources
         from rl.trainer.policy import TrainerSpec
 
         cfg = self.cfg
@@ -172,10 +173,11 @@ class Runtime:
                            micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
                            routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias)
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
-        Actor = trainer_actor(num_cpus=TRAINER_CPUS)
-        self.trainer = Actor.remote(str(init_dir), spec, self.objective, cache_env)
-        self._actors.append(self.trainer)
-        info = ray.get(self.trainer.ready.remote())
+        t = cfg.trainer
+        self.trainer = TrainerGroup.start(str(init_dir), spec, self.objective, num_ranks=t.num_workers,
+                                          resources=TrainerResources(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank),
+                                          env=cache_env)
+        info = self.trainer.ready()
         log.info("trainer ready: %s", info)
 
     def _start_rollout(self, serve_dir: Path) -> None:
@@ -203,9 +205,11 @@ class Runtime:
             pass
         if getattr(self, "trainer", None) is not None:
             try:  # remove the /dev/shm sync area now (its reaper would, moments after the actor dies)
-                ray.get(self.trainer.close_sync.remote(), timeout=10)
+                self.trainer.close_sync()
             except Exception:  # noqa: BLE001
                 pass
+        if getattr(self, "trainer", None) is not None:
+            self.trainer.kill()
         for a in self._actors:
             try:
                 ray.kill(a)
@@ -279,18 +283,21 @@ class Runtime:
         ref = self._ref_cache.pop(tuple(id(e) for e in episodes), None)  # computed for the reward penalty
         if ref is not None:
             batch = batch.with_(ref_logprobs_BT=ref)
-        trainer_version = ray.get(self.trainer.version.remote())
-        staleness = trainer_version - min(e.policy_version for e in episodes)  # the largest lag in the batch
-        return (self.trainer.rl_step.remote(batch), float(staleness))
+        # The version this update starts from, tracked here: asking the trainer would wait behind the
+        # updates queued on it. Lag = that version minus the oldest policy that generated an episode.
+        if self._next_update_version is None:
+            self._next_update_version = self.trainer.version()
+        staleness = self._next_update_version - min(e.policy_version for e in episodes)
+        self._next_update_version += 1
+        return (self.trainer.submit_rl_step(batch), float(staleness))
 
     def wait_train(self, pending: Any) -> dict[str, float]:
         import ray
 
-        ref, staleness = pending
-        m = dict(ray.get(ref))
+        refs, staleness = pending
+        m = self.trainer.wait(refs)  # carries trainer/world_size
         m["policy/staleness"] = staleness
         m["rollout/max_staleness_seen"] = staleness
-        m["trainer/world_size"] = 1.0  # one DeepSpeed rank (docs/training.md)
         return m
 
     # ------------------------------------------------------------------ KL reference
@@ -311,10 +318,10 @@ class Runtime:
             d = self.run_dir / "reference"
             if not (d / ".complete").exists():
                 shutil.rmtree(d, ignore_errors=True)
-                ray.get(self.trainer.save_hf.remote(str(d)))
+                self.trainer.save_hf(str(d))
                 (d / ".complete").write_text(json.dumps({"policy_version": self.policy_version}))
             ref = str(d)
-        ray.get(self.trainer.load_reference.remote(ref))
+        self.trainer.load_reference(ref)
         log.info("KL reference loaded from %s", ref)
 
     def penalise_kl(self, groups: Sequence[RolloutGroup]) -> tuple[list[RolloutGroup], dict[str, float]]:
@@ -329,7 +336,7 @@ class Runtime:
 
         episodes = [e for g in groups for e in g.episodes]
         batch = self._batch(episodes, [0.0] * len(episodes))
-        ref_BT = ray.get(self.trainer.reference_logprobs.remote(batch))
+        ref_BT = self.trainer.reference_logprobs(batch)
         penalty_BT, m = kl_reward_penalty(batch.rollout_logprobs_BT, ref_BT, batch.loss_mask_BT > 0,
                                           coef=self.cfg.algorithm.kl_coef, estimator="k1")
         pen_B = penalty_BT.sum(dim=1).tolist()
@@ -354,7 +361,7 @@ class Runtime:
         eps = [e for e in eps if len(e.token_ids) <= self.cfg.rollout.max_model_len]
         log.info("SFT warm start: %d reference trajectories, %d steps", len(eps), steps)
         rng = random.Random(self.cfg.model.seed)
-        ray.get(self.trainer.set_lr.remote(self.cfg.trainer.sft_lr))
+        self.trainer.set_lr(self.cfg.trainer.sft_lr)
         m: dict[str, float] = {}
         bs = max(1, self.cfg.trainer.micro_batch_size)
         bar = progress(range(steps), desc="sft", total=steps)
@@ -362,11 +369,12 @@ class Runtime:
             for i in bar:
                 chosen = rng.sample(eps, min(bs, len(eps)))
                 batch = self._batch(chosen, [0.0] * len(chosen))
-                m = ray.get(self.trainer.sft_step.remote(batch))
+                m = self.trainer.sft_step(batch)
                 f.write(json.dumps({"sft_step": i, **m}) + "\n")
                 bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
-        ray.get(self.trainer.set_lr.remote(self.cfg.trainer.lr))
-        self.policy_version = ray.get(self.trainer.version.remote())
+        self.trainer.set_lr(self.cfg.trainer.lr)
+        self.policy_version = self.trainer.version()
+        self._next_update_version = None
         return {**m, "sft/trajectories": float(len(eps))}
 
     def sync_weights(self) -> dict[str, float]:
@@ -381,12 +389,12 @@ class Runtime:
         from rl.weights import ShmBucket, requested_transport
 
         t0 = time.perf_counter()
-        version = ray.get(self.trainer.version.remote())
+        version = self.trainer.version()
         transport = requested_transport(self.cfg.trainer.sync_transport)
         readers = self.rollout_engine.reader_nodes() if transport == "auto" else []
         # Bucket refs (or shm indexes) owned by the trainer: the payload never passes through the driver.
-        bucket_refs = ray.get(self.trainer.export_weights.remote(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format,
-                                                                 transport, readers))
+        bucket_refs = self.trainer.export_weights(self.cfg.trainer.sync_bucket_mb, self.cfg.trainer.sync_format,
+                                                  transport, readers)
         t_export = time.perf_counter()
         stats = self.rollout_engine.update_weights(bucket_refs, version)
         self.policy_version = version
@@ -406,7 +414,7 @@ class Runtime:
         seqs = [list(e.token_ids[: self.cfg.rollout.max_model_len - 1]) for e in eps]
         engine_lp = self.rollout_engine.score(seqs)
         batch = self._batch(eps, [0.0] * len(eps))
-        trainer_lp, _ = ray.get(self.trainer.compute_logprobs.remote(batch))
+        trainer_lp, _ = self.trainer.compute_logprobs(batch)
         diffs = []
         for i, e in enumerate(eps):
             T = len(seqs[i])
@@ -476,8 +484,8 @@ class Runtime:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = {"sampler": self.sampler.state_dict(), "step": step,
                  "py_random": random.getstate(), "np_random": np.random.get_state()}
-        ray.get(self.trainer.save_checkpoint.remote(str(self.ckpt_dir / "ds"), {"driver": state}))
-        ray.get(self.trainer.save_hf.remote(str(self.ckpt_dir / "hf")))
+        self.trainer.save_checkpoint(str(self.ckpt_dir / "ds"), {"driver": state})
+        self.trainer.save_hf(str(self.ckpt_dir / "hf"))
         tmp = self.ckpt_dir / "meta.json.tmp"
         tmp.write_text(json.dumps({"step": step, "policy_version": self.policy_version}))
         tmp.replace(self.ckpt_dir / "meta.json")  # atomic: a kill mid-save leaves the previous checkpoint valid
@@ -487,7 +495,7 @@ class Runtime:
         import ray
 
         meta = json.loads((self.ckpt_dir / "meta.json").read_text())
-        state = ray.get(self.trainer.load_checkpoint.remote(str(self.ckpt_dir / "ds")))
+        state = self.trainer.load_checkpoint(str(self.ckpt_dir / "ds"))
         drv = (state or {}).get("driver", {})
         if "sampler" in drv:
             self.sampler.load_state_dict(drv["sampler"])

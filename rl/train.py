@@ -9,6 +9,7 @@ what it does. The math is in rl/algos (via rl/objective.py); nothing here comput
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -72,6 +73,13 @@ def oversample(rt, step: int, groups: list[RolloutGroup], want: int, max_tasks: 
     return groups, extra
 
 
+def drain(rt, in_flight: deque, step: int) -> None:
+    """Finish every submitted update (logging its metrics at `step`) and sync the engines."""
+    while in_flight:
+        rt.sink.log(StepMetrics(step=step, values=rt.wait_train(in_flight.popleft())))
+        rt.sync_weights()
+
+
 def run(cfg: RunConfig, runtime=None) -> dict:
     """Train according to `cfg`; returns a summary (before/after eval tables, last metrics)."""
     from rl.runtime import Runtime
@@ -87,7 +95,11 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         summary["before"] = rt.evaluate("before")
         bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
         t_run = time.perf_counter()
-        pending = None  # async mode: the update of step n runs while step n+1 rolls out (staleness <= 1)
+        # Submitted updates whose weights the engines do not have yet. Sync mode waits for each at once;
+        # async mode lets up to trainer.max_staleness run behind the rollouts, so every trained episode
+        # was generated at most that many policy versions earlier.
+        in_flight: deque = deque()
+        lag = cfg.trainer.max_staleness if cfg.trainer.async_mode else 0
         for step in bar:
             t0 = time.perf_counter()
             tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
@@ -101,21 +113,16 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                                 ((k.rsplit("/", 1)[1], v) for k, v in ds_m.items() if k.startswith("rollout/zero_var_frac/"))})
             train_m: dict[str, float] = {}
             sync_m: dict[str, float] = {}
-            if pending is not None:                                            # async: the previous update is done by now
-                train_m = rt.wait_train(pending)
-                sync_m = rt.sync_weights()
-                pending = None
             if kept and cfg.algorithm.kl_in_reward:                            # reward -= kl_coef x KL(pi || pi_ref)
                 kept, kl_m = rt.penalise_kl(kept)
                 ds_m.update(kl_m)
             if kept:
                 adv = compute_advantages(kept, cfg.algorithm.advantage,
                                          norm_std=cfg.algorithm.advantage != "dr_grpo")          # advantages
-                pending = rt.submit_train(kept, adv)                           # old logprobs (+ routes), then the update
-                if not cfg.trainer.async_mode:
-                    train_m = rt.wait_train(pending)
-                    pending = None
-                    sync_m = rt.sync_weights()                                 # push the new weights to the rollout engines
+                in_flight.append(rt.submit_train(kept, adv))                   # old logprobs (+ routes), then the update
+            while len(in_flight) > lag:                                        # bounded staleness
+                train_m = rt.wait_train(in_flight.popleft())
+                sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines
             t_train = time.perf_counter()
             gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
             time_m = time_breakdown(groups, step_s=time.perf_counter() - t0, rollout_s=t_roll - t0,
@@ -127,14 +134,9 @@ def run(cfg: RunConfig, runtime=None) -> dict:
             bar.set_postfix_str(progress_text(step, cfg.trainer.steps, values, elapsed_s=time.perf_counter() - t_run,
                                               steps_done=step + 1 - rt.start_step))
             if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
-                if pending is not None:                                        # a checkpoint holds a finished update
-                    rt.sink.log(StepMetrics(step=step, values=rt.wait_train(pending)))
-                    rt.sync_weights()
-                    pending = None
+                drain(rt, in_flight, step)                                     # a checkpoint holds finished updates
                 rt.checkpoint(step + 1)                                        # save (model, optimizer, sampler, rng)
-        if pending is not None:
-            rt.sink.log(StepMetrics(step=cfg.trainer.steps - 1, values=rt.wait_train(pending)))
-            rt.sync_weights()
+        drain(rt, in_flight, cfg.trainer.steps - 1)
         rt.checkpoint(cfg.trainer.steps)
         summary["after"] = rt.evaluate("after")
         rt.print_eval_table(summary["before"], summary["after"])

@@ -1,8 +1,10 @@
-"""Ray actor wrapper around `PolicyTrainer`, plus weight export for sync.
+"""Ray actor wrapper around one rank's `PolicyTrainer`, plus weight export for sync.
 
 The actor adds only what crossing a process boundary needs: weights exported in buckets of
 checkpoint-named tensors (so the driver can hand object refs straight to rollout workers, never
-copying through itself), and plain-data returns.
+copying through itself), and plain-data returns. With N ranks (`rl/trainer/group.py`) each actor
+gets its shard of the step batch; rank 0 alone exports weights and writes HF checkpoints, and under
+ZeRO-3 the other ranks take part in the parameter gathers.
 """
 from __future__ import annotations
 
@@ -19,27 +21,34 @@ from rl.trainer.policy import Objective, PolicyTrainer, TrainerSpec
 
 class TrainerWorker:
     def __init__(self, model_dir: str, spec: TrainerSpec, objective: Objective | None, cache_env: dict[str, str] | None = None,
-                 rank: int = 0, world_size: int = 1, master_port: int | None = None) -> None:
+                 rank: int = 0, world_size: int = 1, master_port: int | None = None, master_addr: str | None = None) -> None:
         for k, v in (cache_env or {}).items():
             os.environ.setdefault(k, v)
         torch.set_num_threads(max(1, int(os.environ.get("JOINTRL_TRAINER_THREADS", "1"))))
-        self.t = PolicyTrainer(model_dir, spec, objective, rank=rank, world_size=world_size, master_port=master_port)
+        self.t = PolicyTrainer(model_dir, spec, objective, rank=rank, world_size=world_size, master_port=master_port,
+                               master_addr=master_addr)
 
     def ready(self) -> dict[str, Any]:
         m = self.t.module
         return {"params": sum(p.numel() for p in m.parameters()), "model_type": m.config.model_type,
                 "replay_supported": self.t.replay_supported, "version": self.t.version}
 
-    def compute_logprobs(self, batch: TrainBatch):
-        return self.t.compute_logprobs(batch)
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
-    def rl_step(self, batch: TrainBatch) -> dict[str, float]:
+    def compute_logprobs(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False):
+        return self.t.compute_logprobs(batch, n_micro, pad_only)
+
+    def rl_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
         """Old-policy logprobs (recording routes for R2 when the engine gave none), reference
         logprobs when a reference is loaded (unless the batch brings them), then one update."""
         from rl.algos.kl import kl_per_token
 
         t0 = time.perf_counter()
-        old_lp, routes = self.t.compute_logprobs(batch)
+        if pad_only:  # fewer sequences than ranks: this rank only keeps the collectives in step
+            m = self.t.train_step(batch, n_micro, pad_only=True)
+            return {**m, "train/old_logprob_s": 0.0, "train/busy_s": time.perf_counter() - t0}
+        old_lp, routes = self.t.compute_logprobs(batch, n_micro)
         t_old = time.perf_counter() - t0
         if routes is not None:
             batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
@@ -52,7 +61,7 @@ class TrainerWorker:
             # KL(pi_old || pi_ref) on the step's generated tokens, k3 (Schulman 2020), before the update.
             kl_BT, _ = kl_per_token(old_lp, batch.ref_logprobs_BT, mask, "k3")
             extra = {"kl/ref_mean": float(kl_BT.sum() / mask.sum().clamp_min(1)), "train/ref_logprob_s": time.perf_counter() - t1}
-        m = self.t.train_step(batch.with_(old_logprobs_BT=old_lp))
+        m = self.t.train_step(batch.with_(old_logprobs_BT=old_lp), n_micro)
         return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}
 
     def load_reference(self, model_dir: str) -> None:
@@ -61,8 +70,8 @@ class TrainerWorker:
     def reference_logprobs(self, batch: TrainBatch):
         return self.t.reference_logprobs(batch)
 
-    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.t.sft_step(batch)
+    def sft_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
+        return self.t.sft_step(batch, n_micro, pad_only)
 
     def set_lr(self, lr: float) -> None:
         self.t.set_lr(lr)
@@ -85,6 +94,11 @@ class TrainerWorker:
         """
         from rl.weights import WeightBucket, WeightExporter
 
+        if self.t.rank != 0:  # rank 0 publishes; under ZeRO-3 this rank still joins each gather
+            if self.t.spec.zero_stage == 3:
+                for _ in self.t.named_weights():
+                    pass
+            return []
         exporter = self.__dict__.get("_exporter")
         if exporter is None:
             exporter = self._exporter = WeightExporter()
@@ -109,7 +123,3 @@ class TrainerWorker:
 
     def load_checkpoint(self, ckpt_dir: str) -> dict:
         return self.t.load_checkpoint(ckpt_dir)
-
-
-def trainer_actor(num_cpus: float = 1, num_gpus: float = 0):
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(TrainerWorker)

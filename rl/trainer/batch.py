@@ -34,7 +34,11 @@ class TrainBatch:
     values_BT: torch.Tensor | None = None
     returns_BT: torch.Tensor | None = None
     loss_weights_BT: torch.Tensor | None = None  # aggregation weights computed on the whole step batch
-    step_tokens: int = 0  # real tokens in the whole step batch (micro-batches keep the step's value)
+    # Totals of the whole step batch: micro-batches and the per-rank shards of N trainer ranks keep
+    # the step's values, so every normalisation is global and N ranks compute one rank's update.
+    step_tokens: int = 0  # real tokens
+    step_seqs: int = 0  # sequences
+    step_loss_tokens: float = 0.0  # loss-masked target tokens
     routes_from: str = "none"  # who recorded routed_experts_BTLK: "engine" (R3), "trainer" (R2) or "none"
 
     @property
@@ -47,12 +51,33 @@ class TrainBatch:
             if x is None or not isinstance(x, torch.Tensor):
                 return x
             return x[idx] if isinstance(idx, slice) else x[torch.as_tensor(list(idx), dtype=torch.long)]
-        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in ("domains", "step_tokens", "routes_from")}
+        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in _SCALARS}
         return TrainBatch(domains=self.domains, step_tokens=self.step_tokens or int(self.attention_mask_BT.sum()),
+                          step_seqs=self.step_seqs or self.num_seqs,
+                          step_loss_tokens=self.step_loss_tokens or float(self.loss_mask_BT.sum()),
                           routes_from=self.routes_from, **kw)
 
     def with_(self, **kw) -> "TrainBatch":
         return replace(self, **kw)
+
+
+_SCALARS = ("domains", "step_tokens", "step_seqs", "step_loss_tokens", "routes_from")
+
+
+def split_by_tokens(batch: TrainBatch, n: int) -> list[list[int]]:
+    """Row indices for `n` ranks with near-equal real-token counts (longest first, each to the rank
+    with the fewest tokens so far: LPT scheduling). Rows keep batch order within a rank; a rank may
+    get no rows when the batch has fewer sequences than ranks."""
+    if n < 1:
+        raise ValueError(f"split_by_tokens: n={n} must be >= 1")
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    loads = [0] * n
+    parts: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(n), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += int(lengths[i])
+    return [sorted(p) for p in parts]
 
 
 def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_id: int = 0,
@@ -104,6 +129,8 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
         rewards_B=torch.as_tensor([e.reward for e in episodes], dtype=torch.float32),
         routed_experts_BTLK=routes,
         step_tokens=int(attn.sum()),
+        step_seqs=B,
+        step_loss_tokens=float(lmask.sum()),
         routes_from="engine" if routes is not None else "none",
     )
 

@@ -91,7 +91,8 @@ def supports_routing_replay(m: torch.nn.Module) -> bool:
 
 class PolicyTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: TrainerSpec, objective: Objective | None = None,
-                 rank: int = 0, world_size: int = 1, master_port: int | None = None, total_steps: int = 1000) -> None:
+                 rank: int = 0, world_size: int = 1, master_port: int | None = None, total_steps: int = 1000,
+                 master_addr: str | None = None) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         import deepspeed
 
@@ -99,7 +100,8 @@ class PolicyTrainer:
         self.spec = spec
         self.objective = objective
         self.rank = rank
-        init_distributed(rank, world_size, master_port=master_port)
+        self.world_size = world_size
+        init_distributed(rank, world_size, master_addr=master_addr or "127.0.0.1", master_port=master_port)
         self.model_dir = str(model_dir)
         module = load_policy(model_dir, spec.dtype)
         self.replay_supported = supports_routing_replay(module)
@@ -185,21 +187,36 @@ class PolicyTrainer:
             return "off"  # R3 asked for but the engine reported no routes; logged by the caller
         return "r2"
 
+    def _micro_batches(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
+        """`batch` in micro-batches, then padding micro-batches (its first row, flagged True) up to
+        `n_micro`. Under ZeRO-3 every forward and backward gathers parameters collectively, so all
+        ranks must run the same number of micro-batches; a rank whose shard is only padding
+        (`pad_only`: fewer sequences than ranks) runs padding alone. Padding never adds to a loss."""
+        mbs = self.spec.micro_batch_size
+        out = [] if pad_only else [(batch.select(slice(s, s + mbs)), False) for s in range(0, batch.num_seqs, mbs)]
+        while len(out) < n_micro:
+            out.append((batch.select([0]), True))
+        return out
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_logprobs(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Old-policy logprobs [B, T] and, when R2 replay applies, the routes used [B, T, L, k]."""
         self.engine.eval()
         mode = self.routing_mode(batch)
         out_lp, out_routes = [], []
-        for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
-            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+        for mb, padding in self._micro_batches(batch, n_micro, pad_only):
             out = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if mode == "r3" else None, router_logits=False)
+            if padding:
+                continue
             out_lp.append(token_logprobs(out.logits, mb.input_ids_BT))
             if mode == "r2":
                 B, T = mb.input_ids_BT.shape
                 r_LNK = out.routed_experts
                 out_routes.append(r_LNK.reshape(r_LNK.shape[0], B, T, -1).permute(1, 2, 0, 3))
         self.engine.train()
+        if not out_lp:  # a padding-only shard
+            return batch.loss_mask_BT[:0].clone(), None
         lp = torch.cat(out_lp)
         routes = _cat_padded(out_routes) if out_routes else None
         return lp, routes
@@ -221,34 +238,43 @@ class PolicyTrainer:
         return torch.cat(out)
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of the RL objective over the whole batch (micro-batched)."""
+    def train_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
+        """One optimizer step of the RL objective over the batch (micro-batched).
+
+        With N ranks `batch` is this rank's shard of the step batch; its loss weights and step totals
+        are the whole batch's, so the shard losses add up to the one-rank loss. DeepSpeed averages
+        gradients over the data-parallel ranks, hence the backward of `world_size x loss`.
+        """
         if self.objective is None:
             raise RuntimeError("PolicyTrainer.train_step needs an objective")
         t0 = time.perf_counter()
         self.engine.train()
         mode = self.routing_mode(batch)
-        B = batch.num_seqs
+        B = 0 if pad_only else batch.num_seqs
+        step_seqs = batch.step_seqs or batch.num_seqs
         metrics: dict[str, float] = {}
         n_mb = 0
         tele = self._moe_telemetry()
-        for s in range(0, B, self.spec.micro_batch_size):
-            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+        for mb, padding in self._micro_batches(batch, n_micro, pad_only):
             replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
             out = self._forward(mb, replay_BTLK=replay, router_logits=True)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
             router_logits = getattr(out, "router_logits", None)
             routes_LNK = self._routes_used_LNK(out, router_logits)
-            if tele is not None and routes_LNK is not None and router_logits:
+            if not padding and tele is not None and routes_LNK is not None and router_logits:
                 tele.add(mb, routes_LNK.detach(), [lg.detach() for lg in router_logits], replayed=replay is not None)
             # The objective's weights come from the whole step batch, so micro-batch losses just add up.
             loss, m = self.objective(lp, mb, router_logits, routes_LNK)
             idx_loss = getattr(out, "indexer_loss", None)
             if idx_loss is not None:  # DSA indexer (its input is detached inside the model)
                 coef = float(getattr(self.module.config, "indexer_loss_coef", 0.0))
-                loss = loss + coef * idx_loss * (mb.num_seqs / B)
+                loss = loss + coef * idx_loss * (mb.num_seqs / step_seqs)
                 m["dsa/indexer_loss"] = float(idx_loss.detach())
-            self.engine.backward(loss, scale_wrt_gas=False)
+            if padding:
+                loss = loss * 0.0  # keeps the collective backward in step, adds nothing
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            if padding:
+                continue
             weight = mb.num_seqs / B
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v) * weight
@@ -258,9 +284,9 @@ class PolicyTrainer:
         self._expert_bias_step()
         self.step_count += 1
         self.version += 1
-        if tele is not None:
+        if tele is not None and not pad_only:
             metrics.update(tele.finish())  # per-domain expert load, router entropy, replay mismatch
-        if batch.old_logprobs_BT is not None:
+        if batch.old_logprobs_BT is not None and not pad_only:
             from rl.telemetry import logprob_gap_metrics
 
             metrics.update(logprob_gap_metrics(batch.old_logprobs_BT, batch.rollout_logprobs_BT, batch.loss_mask_BT > 0,
@@ -270,32 +296,35 @@ class PolicyTrainer:
             "train/lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.spec.lr,
             "train/micro_batches": float(n_mb),
             "train/step_s": time.perf_counter() - t0,
-            "train/tokens": float(batch.attention_mask_BT.sum()),
+            "train/tokens": 0.0 if pad_only else float(batch.attention_mask_BT.sum()),
+            "train/seqs": float(B),
             "train/routing_replay_" + mode: 1.0,
         })
         return metrics
 
-    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Supervised step: mean NLL of the loss-masked (assistant) tokens."""
+    def sft_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
+        """Supervised step: mean NLL of the loss-masked (assistant) tokens of the whole step batch
+        (this rank's shard with the step's totals, as in `train_step`)."""
         self.engine.train()
-        B = batch.num_seqs
-        total_tokens = float(batch.loss_mask_BT.sum().clamp_min(1))
+        total_tokens = max(float(batch.step_loss_tokens or batch.loss_mask_BT.sum()), 1.0)
+        step_seqs = batch.step_seqs or batch.num_seqs
         nll_sum = 0.0
-        for s in range(0, B, self.spec.micro_batch_size):
-            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+        for mb, padding in self._micro_batches(batch, n_micro, pad_only):
             out = self._forward(mb, replay_BTLK=None, router_logits=False)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
             loss = -(lp * mb.loss_mask_BT).sum() / total_tokens
             aux = getattr(out, "aux_loss", None)
             if aux is not None:
-                loss = loss + float(getattr(self.module.config, "router_aux_loss_coef", 0.0)) * aux * (mb.num_seqs / B)
-            self.engine.backward(loss, scale_wrt_gas=False)
+                loss = loss + float(getattr(self.module.config, "router_aux_loss_coef", 0.0)) * aux * (mb.num_seqs / step_seqs)
+            if padding:
+                loss = loss * 0.0
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             nll_sum += float(loss.detach())
         self.engine.step()
         grad_norm = self._grad_norm()
         self.step_count += 1
         self.version += 1
-        return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm}
+        return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm, "train/seqs": 0.0 if pad_only else float(batch.num_seqs)}
 
     def _expert_bias_step(self) -> None:
         """Aux-loss-free balancing (DeepSeek-V3): move each expert's selection bias by the sign of its
@@ -347,7 +376,13 @@ class PolicyTrainer:
                 yield name, b.detach().cpu()
 
     def save_hf(self, out_dir: str | os.PathLike[str]) -> str:
-        """A HF checkpoint (config + safetensors) of the current weights: what rollout engines load."""
+        """A HF checkpoint (config + safetensors) of the current weights: what rollout engines load.
+        Rank 0 writes it; under ZeRO-3 the other ranks take part in the parameter gathers."""
+        if self.rank != 0:
+            if self.spec.zero_stage == 3:
+                for _ in self.named_weights():
+                    pass
+            return ""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.spec.zero_stage == 3:
@@ -361,8 +396,9 @@ class PolicyTrainer:
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], client_state: dict | None = None) -> None:
         state = dict(client_state or {})
         state.update({"step_count": self.step_count, "version": self.version, "torch_rng": torch.get_rng_state()})
-        self.engine.save_checkpoint(str(ckpt_dir), tag="state", client_state=state)
-        (Path(ckpt_dir) / "trainer_meta.json").write_text(json.dumps({"step_count": self.step_count, "version": self.version}))
+        self.engine.save_checkpoint(str(ckpt_dir), tag="state", client_state=state)  # every rank: its shards
+        if self.rank == 0:
+            (Path(ckpt_dir) / "trainer_meta.json").write_text(json.dumps({"step_count": self.step_count, "version": self.version}))
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict:
         _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="state")

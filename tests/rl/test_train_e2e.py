@@ -49,7 +49,7 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     cfg = _cfg(tiny_qwen_moe, run_dir, steps=3)
     rt = Runtime.start(cfg)
     try:
-        w0 = ray.get(ray.get(rt.trainer.export_weights.remote(1024.0))[0])
+        w0 = ray.get(rt.trainer.export_weights(1024.0)[0])
         # Kill the rollout worker after the first RL step: the dispatcher must restart it with the latest weights.
         orig_rollout, orig_checkpoint = rt.rollout, rt.checkpoint
         calls = {"n": 0}
@@ -68,7 +68,7 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
 
         rt.rollout, rt.checkpoint = rollout_then_kill, checkpoint_then_copy
         summary = run(cfg, runtime=rt)
-        w1 = ray.get(ray.get(rt.trainer.export_weights.remote(1024.0))[0])
+        w1 = ray.get(rt.trainer.export_weights(1024.0)[0])
         restarts = rt.rollout_engine.restarts
     finally:
         rt.shutdown()

@@ -1,0 +1,226 @@
+"""N DeepSpeed ranks as Ray actors in one placement group, driven as one trainer.
+
+`TrainerGroup.start(...)` reserves one bundle per rank (`TrainerResources`: CPUs and GPUs per rank),
+starts a `TrainerWorker` in each, and joins them in one torch.distributed group (gloo on CPU, NCCL
+on GPU) whose rendezvous is rank 0's node. Each step batch is split across the ranks by real-token
+count (`split_by_tokens`); the shards keep the whole batch's loss weights and totals, so N ranks
+compute the update one rank would on the same batch (tests/rl/trainer/test_group.py checks it to
+1e-5 for ZeRO 1, 2 and 3). Every rank runs the same number of micro-batches (padding ones add
+nothing), which ZeRO-3's collective gathers need. Rank 0 publishes weights and HF checkpoints.
+
+What it does not do: restart a dead rank (a lost rank fails the step; the run resumes from its last
+checkpoint), shard the KL reference (each rank holds a frozen copy), or pipeline/tensor parallelism.
+"""
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rl.trainer.batch import TrainBatch, split_by_tokens
+
+# How per-rank metrics combine into the step's: summed, the slowest rank's, or rank 0's (equal on
+# every rank); anything else is a mean weighted by each rank's share of the step's sequences.
+_SUMMED = ("train/tokens", "train/micro_batches", "train/seqs")
+_SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s")
+_RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm")
+
+
+@dataclass(frozen=True)
+class TrainerResources:
+    """Ray resources of one trainer rank (one placement-group bundle each)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+def reduce_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from each rank's (see `_SUMMED`, `_SLOWEST`, `_RANK0`)."""
+    total = sum(m.get("train/seqs", 0.0) for m in per_rank)
+    out: dict[str, float] = {}
+    for k in dict.fromkeys(k for m in per_rank for k in m):
+        vals = [(m[k], m.get("train/seqs", 0.0)) for m in per_rank if k in m]
+        if k in _SUMMED:
+            out[k] = sum(v for v, _ in vals)
+        elif k in _SLOWEST:
+            out[k] = max(v for v, _ in vals)
+        elif k in _RANK0 or total == 0:
+            out[k] = vals[0][0]
+        else:
+            w = [(v, s) for v, s in vals if s > 0]
+            out[k] = sum(v * s for v, s in w) / sum(s for _, s in w) if w else vals[0][0]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainerGroup:
+    """The trainer ranks of a run, behind the calls the driver makes on "the trainer"."""
+
+    def __init__(self, workers: list[Any], micro_batch_size: int, placement_group: Any = None) -> None:
+        self.workers = workers
+        self.micro_batch_size = micro_batch_size
+        self.placement_group = placement_group
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @classmethod
+    def start(cls, model_dir: str, spec: Any, objective: Any, *, num_ranks: int = 1,
+              resources: TrainerResources = TrainerResources(), env: dict[str, str] | None = None,
+              placement_strategy: str = "PACK") -> "TrainerGroup":
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rl.trainer.actor import TrainerWorker
+
+        bundle = {"CPU": resources.num_cpus, **({"GPU": resources.num_gpus} if resources.num_gpus else {})}
+        pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=placement_strategy)
+        ray.get(pg.ready())
+        # The rendezvous lives on rank 0's node: start rank 0 first and ask it for its address.
+        actor = ray.remote(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_restarts=0)(TrainerWorker)
+
+        def make(rank: int, port: int | None, addr: str | None):
+            return actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=rank)).remote(
+                model_dir, spec, objective, env, rank=rank, world_size=num_ranks, master_port=port, master_addr=addr)
+
+        if num_ranks == 1:
+            workers = [make(0, None, None)]
+        else:
+            probe = ray.remote(num_cpus=0)(_Probe).options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0)).remote()
+            addr, port = ray.get(probe.address.remote())
+            ray.kill(probe)
+            workers = [make(r, port, addr) for r in range(num_ranks)]
+        return cls(workers, spec.micro_batch_size, pg)
+
+    # ------------------------------------------------------------------ batch sharding
+    def _shards(self, batch: TrainBatch) -> tuple[list[tuple[TrainBatch, bool]], int]:
+        """Each rank's (shard, pad_only) and the common micro-batch count."""
+        if self.world_size == 1:
+            return [(batch, False)], 0
+        parts = split_by_tokens(batch, self.world_size)
+        shards = [(batch.select(p), False) if p else (batch.select([0]), True) for p in parts]
+        n_micro = max(math.ceil(len(p) / self.micro_batch_size) for p in parts)
+        return shards, n_micro
+
+    def _each(self, method: str, *args) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    # ------------------------------------------------------------------ the driver's calls
+    def ready(self) -> dict[str, Any]:
+        info = self._each("ready")[0]
+        return {**info, "world_size": self.world_size}
+
+    def version(self) -> int:
+        import ray
+
+        return ray.get(self.workers[0].version.remote())
+
+    def submit_rl_step(self, batch: TrainBatch) -> list[Any]:
+        """Start one update on every rank (non-blocking); `wait` returns the step's metrics."""
+        shards, n_micro = self._shards(batch)
+        return [w.rl_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]
+
+    def wait(self, refs: list[Any]) -> dict[str, float]:
+        import ray
+
+        m = reduce_rank_metrics(ray.get(refs))
+        m["trainer/world_size"] = float(self.world_size)
+        return m
+
+    def rl_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.wait(self.submit_rl_step(batch))
+
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        import ray
+
+        shards, n_micro = self._shards(batch)
+        return reduce_rank_metrics(ray.get([w.sft_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]))
+
+    def _gather_rows(self, method: str, batch: TrainBatch):
+        """A per-row result (logprobs [B, T]) computed on the ranks' shards, back in batch order."""
+        import ray
+        import torch
+
+        if self.world_size == 1:
+            return ray.get(getattr(self.workers[0], method).remote(batch))
+        parts = split_by_tokens(batch, self.world_size)
+        shards, n_micro = self._shards(batch)
+        args = [(s, n_micro, pad) if method == "compute_logprobs" else (s,) for s, pad in shards]
+        outs = ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)])
+        lp = [o[0] if method == "compute_logprobs" else o for o in outs]
+        full = torch.zeros_like(batch.loss_mask_BT)
+        for p, x in zip(parts, lp):
+            if p:
+                full[torch.as_tensor(p)] = x
+        return (full, None) if method == "compute_logprobs" else full
+
+    def compute_logprobs(self, batch: TrainBatch):
+        """Trainer logprobs [B, T] under the current weights (routes are not returned for N > 1)."""
+        return self._gather_rows("compute_logprobs", batch)
+
+    def reference_logprobs(self, batch: TrainBatch):
+        return self._gather_rows("reference_logprobs", batch)
+
+    def load_reference(self, model_dir: str) -> None:
+        self._each("load_reference", model_dir)
+
+    def set_lr(self, lr: float) -> None:
+        self._each("set_lr", lr)
+
+    def export_weights(self, *args, **kw) -> list[Any]:
+        import ray
+
+        return ray.get([w.export_weights.remote(*args, **kw) for w in self.workers])[0]
+
+    def save_hf(self, out_dir: str) -> str:
+        return self._each("save_hf", out_dir)[0]
+
+    def save_checkpoint(self, ckpt_dir: str, client_state: dict | None = None) -> None:
+        self._each("save_checkpoint", ckpt_dir, client_state)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        return self._each("load_checkpoint", ckpt_dir)[0]
+
+    def close_sync(self) -> None:
+        self._each("close_sync")
+
+    def node_ids(self) -> list[str]:
+        import ray
+
+        return ray.get([w.node_id.remote() for w in self.workers])
+
+    def kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class _Probe:
+    """Runs on rank 0's bundle to name the rendezvous address and a free port there."""
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
