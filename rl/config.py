@@ -101,8 +101,8 @@ class EnvsSection:
 class AlgorithmSection:
     """RL math choices; names refer to registries in rl/algos."""
 
-    # Outcome estimators only: `gae` needs a critic, which the trainer does not have yet.
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    # gae: PPO with a critic (a value head on its own copy of the policy, rl/trainer/critic.py)
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_pp"] = "grpo"
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = "ppo_clip"
     aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "domain_token_mean"] = "domain_token_mean"
     group_size: int = 4  # G samples per task
@@ -116,6 +116,9 @@ class AlgorithmSection:
     # trainer.tasks_per_step groups have signal, at most oversample_factor x tasks_per_step tasks in all
     dynamic_sampling: Literal["off", "filter", "oversample"] = "filter"
     oversample_factor: float = 2.0
+    gamma: float = 1.0  # gae, reinforce_pp: discount per generated token
+    lam: float = 0.95  # gae: GAE lambda (Schulman et al. 2016)
+    value_clip: float = 0.2  # gae: the critic's clipped value loss range; <= 0 = plain squared error
 
 
 @dataclass
@@ -127,6 +130,7 @@ class TrainerSection:
     gpus_per_rank: float = 0.0  # > 0: NCCL between ranks; 0: gloo on CPU
     zero_stage: Literal[0, 1, 2, 3] = 1
     lr: float = 1e-5
+    critic_lr: float = 1e-5  # algorithm.advantage = gae
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
@@ -355,6 +359,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError("config key 'eval.samples': more than one sample per task needs eval.temperature > 0 "
                           "(greedy samples are identical)")
+    if not (0.0 <= cfg.algorithm.gamma <= 1.0 and 0.0 <= cfg.algorithm.lam <= 1.0):
+        raise ConfigError(f"config keys 'algorithm.gamma' / 'algorithm.lam': {cfg.algorithm.gamma} / {cfg.algorithm.lam} "
+                          "must each be in [0, 1]")
     if cfg.trainer.max_staleness < 1:
         raise ConfigError(f"config key 'trainer.max_staleness': value {cfg.trainer.max_staleness} must be >= 1")
     if cfg.trainer.gpus_per_rank < 0:

@@ -160,6 +160,7 @@ class Runtime:
 
     def _start_trainer(self, init_dir: Path, resume: bool) -> None:
         from rl.objective import RLObjective
+        from rl.trainer.critic import CriticSpec
         from rl.trainer.group import TrainerGroup, TrainerResources
         from rl.trainer.policy import TrainerSpec
 
@@ -174,9 +175,12 @@ class Runtime:
                            routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias)
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
         t = cfg.trainer
+        critic = CriticSpec(lr=t.critic_lr, value_clip=a.value_clip, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                            zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, dtype=cfg.model.dtype) \
+            if self.has_critic else None
         self.trainer = TrainerGroup.start(str(init_dir), spec, self.objective, num_ranks=t.num_workers,
                                           resources=TrainerResources(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank),
-                                          env=cache_env)
+                                          env=cache_env, critic=critic)
         info = self.trainer.ready()
         log.info("trainer ready: %s", info)
 
@@ -274,15 +278,22 @@ class Runtime:
                                    domain_names=dict(enumerate(batch.domains)))
         return batch.with_(loss_weights_BT=w)
 
-    def submit_train(self, groups: Sequence[RolloutGroup], adv: Sequence[float]) -> Any:
-        """Start one update on the trainer actor; returns a handle for `wait_train` (non-blocking)."""
-        import ray
+    @property
+    def has_critic(self) -> bool:
+        return self.cfg.algorithm.advantage == "gae"
 
+    def collate(self, groups: Sequence[RolloutGroup]):
+        """The groups' episodes as one padded TrainBatch with the step batch's aggregation weights (and
+        the reference logprobs, when the reward penalty already computed them for these episodes)."""
         episodes = [e for g in groups for e in g.episodes]
-        batch = self._batch(episodes, adv)
-        ref = self._ref_cache.pop(tuple(id(e) for e in episodes), None)  # computed for the reward penalty
-        if ref is not None:
-            batch = batch.with_(ref_logprobs_BT=ref)
+        batch = self._batch(episodes, [0.0] * len(episodes))
+        ref = self._ref_cache.pop(tuple(id(e) for e in episodes), None)
+        return batch if ref is None else batch.with_(ref_logprobs_BT=ref)
+
+    def submit_train(self, batch, groups: Sequence[RolloutGroup]) -> Any:
+        """Start one update of `batch` (the `groups`' episodes, advantages set) on the trainer;
+        returns a handle for `wait_train` (non-blocking)."""
+        episodes = [e for g in groups for e in g.episodes]
         # The version this update starts from, tracked here: asking the trainer would wait behind the
         # updates queued on it. Lag = that version minus the oldest policy that generated an episode.
         if self._next_update_version is None:

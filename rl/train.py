@@ -13,26 +13,30 @@ from collections import deque
 
 import torch
 
-from rl.config import RunConfig
+from rl.config import AlgorithmSection, RunConfig
 from rl.log import get_logger, progress, setup_logging
 from rl.metrics import progress_text
 from rl.telemetry import time_breakdown
+from rl.trainer.batch import TrainBatch
 from rl.types import RolloutGroup, StepMetrics
 
 log = get_logger("train")
 
 
-def compute_advantages(groups: list[RolloutGroup], name: str, norm_std: bool = True) -> list[float]:
-    """One outcome advantage per episode (flattened in group order), from the registered estimator."""
-    from rl.algos.advantages import AdvantageInputs, AdvantageParams
-    from rl.algos.advantages import compute_advantages as algo
+def with_advantages(batch: TrainBatch, a: AlgorithmSection, values_BT: torch.Tensor | None = None
+                    ) -> tuple[TrainBatch, dict[str, float]]:
+    """Token-level advantages from the registered estimator. Outcome estimators (grpo, dr_grpo, rloo,
+    reinforce_pp) spread one return over each episode's generated tokens; `gae` combines it with the
+    critic's per-token values, and the GAE returns become the critic's regression targets."""
+    from rl.algos.advantages import AdvantageInputs, AdvantageParams, compute_advantages, gae_returns_BT
 
-    episodes = [e for g in groups for e in g.episodes]
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
-    gids = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.episodes], dtype=torch.long)
-    mask = torch.ones(len(episodes), 1)
-    adv_BT, _ = algo(name, AdvantageInputs(rewards_B=rewards, mask_BT=mask, group_ids_B=gids), AdvantageParams(norm_std=norm_std))
-    return adv_BT[:, 0].tolist()
+    mask = batch.loss_mask_BT > 0
+    inputs = AdvantageInputs(rewards_B=batch.rewards_B, mask_BT=mask, group_ids_B=batch.group_ids_B, values_BT=values_BT)
+    adv_BT, m = compute_advantages(a.advantage, inputs, AdvantageParams(norm_std=a.advantage != "dr_grpo", gamma=a.gamma, lam=a.lam))
+    adv_BT = torch.where(mask, adv_BT, torch.zeros_like(adv_BT))
+    if values_BT is None:
+        return batch.with_(advantages_BT=adv_BT), m
+    return batch.with_(advantages_BT=adv_BT, values_BT=values_BT, returns_BT=gae_returns_BT(adv_BT, values_BT, mask)), m
 
 
 def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[RolloutGroup], dict[str, float]]:
@@ -117,9 +121,11 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                 kept, kl_m = rt.penalise_kl(kept)
                 ds_m.update(kl_m)
             if kept:
-                adv = compute_advantages(kept, cfg.algorithm.advantage,
-                                         norm_std=cfg.algorithm.advantage != "dr_grpo")          # advantages
-                in_flight.append(rt.submit_train(kept, adv))                   # old logprobs (+ routes), then the update
+                batch = rt.collate(kept)                                       # one padded token batch, step-wide weights
+                values = rt.trainer.values(batch) if rt.has_critic else None    # V(s_t) per generated token (PPO critic)
+                batch, adv_m = with_advantages(batch, cfg.algorithm, values)    # token-level advantages (+ GAE returns)
+                ds_m.update(adv_m)
+                in_flight.append(rt.submit_train(batch, kept))                 # old logprobs (+ routes), the update, the critic
             while len(in_flight) > lag:                                        # bounded staleness
                 train_m = rt.wait_train(in_flight.popleft())
                 sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines

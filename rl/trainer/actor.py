@@ -16,17 +16,20 @@ import ray
 import torch
 
 from rl.trainer.batch import TrainBatch
+from rl.trainer.critic import CriticSpec, CriticTrainer
 from rl.trainer.policy import Objective, PolicyTrainer, TrainerSpec
 
 
 class TrainerWorker:
     def __init__(self, model_dir: str, spec: TrainerSpec, objective: Objective | None, cache_env: dict[str, str] | None = None,
-                 rank: int = 0, world_size: int = 1, master_port: int | None = None, master_addr: str | None = None) -> None:
+                 rank: int = 0, world_size: int = 1, master_port: int | None = None, master_addr: str | None = None,
+                 critic: CriticSpec | None = None) -> None:
         for k, v in (cache_env or {}).items():
             os.environ.setdefault(k, v)
         torch.set_num_threads(max(1, int(os.environ.get("JOINTRL_TRAINER_THREADS", "1"))))
         self.t = PolicyTrainer(model_dir, spec, objective, rank=rank, world_size=world_size, master_port=master_port,
                                master_addr=master_addr)
+        self.critic = CriticTrainer(model_dir, critic, world_size) if critic is not None else None
 
     def ready(self) -> dict[str, Any]:
         m = self.t.module
@@ -47,6 +50,8 @@ class TrainerWorker:
         t0 = time.perf_counter()
         if pad_only:  # fewer sequences than ranks: this rank only keeps the collectives in step
             m = self.t.train_step(batch, n_micro, pad_only=True)
+            if self.critic is not None and batch.returns_BT is not None:
+                m.update(self.critic.value_step(batch, n_micro, pad_only=True))
             return {**m, "train/old_logprob_s": 0.0, "train/busy_s": time.perf_counter() - t0}
         old_lp, routes = self.t.compute_logprobs(batch, n_micro)
         t_old = time.perf_counter() - t0
@@ -62,7 +67,14 @@ class TrainerWorker:
             kl_BT, _ = kl_per_token(old_lp, batch.ref_logprobs_BT, mask, "k3")
             extra = {"kl/ref_mean": float(kl_BT.sum() / mask.sum().clamp_min(1)), "train/ref_logprob_s": time.perf_counter() - t1}
         m = self.t.train_step(batch.with_(old_logprobs_BT=old_lp), n_micro)
+        if self.critic is not None and batch.returns_BT is not None:
+            extra.update(self.critic.value_step(batch, n_micro))
         return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}
+
+    def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False):
+        if self.critic is None:
+            raise RuntimeError("values: this trainer has no critic (algorithm.advantage is not 'gae')")
+        return self.critic.values(batch, n_micro, pad_only)
 
     def load_reference(self, model_dir: str) -> None:
         self.t.load_reference(model_dir)
@@ -120,6 +132,11 @@ class TrainerWorker:
 
     def save_checkpoint(self, ckpt_dir: str, client_state: dict | None = None) -> None:
         self.t.save_checkpoint(ckpt_dir, client_state)
+        if self.critic is not None:
+            self.critic.save_checkpoint(ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> dict:
-        return self.t.load_checkpoint(ckpt_dir)
+        state = self.t.load_checkpoint(ckpt_dir)
+        if self.critic is not None:
+            self.critic.load_checkpoint(ckpt_dir)
+        return state

@@ -22,9 +22,9 @@ from rl.trainer.batch import TrainBatch, split_by_tokens
 
 # How per-rank metrics combine into the step's: summed, the slowest rank's, or rank 0's (equal on
 # every rank); anything else is a mean weighted by each rank's share of the step's sequences.
-_SUMMED = ("train/tokens", "train/micro_batches", "train/seqs")
-_SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s")
-_RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm")
+_SUMMED = ("train/tokens", "train/micro_batches", "train/seqs", "value/loss")
+_SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s", "value/step_s")
+_RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm", "value/grad_norm")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class TrainerGroup:
     @classmethod
     def start(cls, model_dir: str, spec: Any, objective: Any, *, num_ranks: int = 1,
               resources: TrainerResources = TrainerResources(), env: dict[str, str] | None = None,
-              placement_strategy: str = "PACK") -> "TrainerGroup":
+              placement_strategy: str = "PACK", critic: Any = None) -> "TrainerGroup":
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -90,7 +90,8 @@ class TrainerGroup:
         def make(rank: int, port: int | None, addr: str | None):
             return actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=rank)).remote(
-                model_dir, spec, objective, env, rank=rank, world_size=num_ranks, master_port=port, master_addr=addr)
+                model_dir, spec, objective, env, rank=rank, world_size=num_ranks, master_port=port, master_addr=addr,
+                critic=critic)
 
         if num_ranks == 1:
             workers = [make(0, None, None)]
@@ -157,7 +158,8 @@ class TrainerGroup:
             return ray.get(getattr(self.workers[0], method).remote(batch))
         parts = split_by_tokens(batch, self.world_size)
         shards, n_micro = self._shards(batch)
-        args = [(s, n_micro, pad) if method == "compute_logprobs" else (s,) for s, pad in shards]
+        padded = method in ("compute_logprobs", "values")  # forwards through a (possibly ZeRO-3) engine
+        args = [(s, n_micro, pad) if padded else (s,) for s, pad in shards]
         outs = ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)])
         lp = [o[0] if method == "compute_logprobs" else o for o in outs]
         full = torch.zeros_like(batch.loss_mask_BT)
@@ -172,6 +174,10 @@ class TrainerGroup:
 
     def reference_logprobs(self, batch: TrainBatch):
         return self._gather_rows("reference_logprobs", batch)
+
+    def values(self, batch: TrainBatch):
+        """Critic values V(s_t) [B, T] on generated tokens (0 elsewhere)."""
+        return self._gather_rows("values", batch)
 
     def load_reference(self, model_dir: str) -> None:
         self._each("load_reference", model_dir)

@@ -1,5 +1,5 @@
-"""Two DeepSpeed ranks under ZeRO-3 in a real async run: Ray actors in a placement group, a real vLLM
-engine, up to two updates in flight behind the rollouts.
+"""Two DeepSpeed ranks under ZeRO-3 in a real async PPO run: Ray actors in a placement group, a real
+vLLM engine, a critic on every rank (GAE advantages), up to two updates in flight behind the rollouts.
 
 On a tiny fp32 Qwen3-MoE: every trained episode's policy lag stays within `trainer.max_staleness`,
 and after the final sync the engine holds exactly the full weights gathered from the shards, so its
@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_two_ranks_zero3_async_with_bounded_staleness(tmp_path):
+def test_two_ranks_zero3_async_ppo_with_bounded_staleness(tmp_path):
     from rl.config import load_config
     from rl.metrics import read_metrics
     from rl.runtime import Runtime
@@ -25,7 +25,7 @@ def test_two_ranks_zero3_async_with_bounded_staleness(tmp_path):
         f"model.arch={ckpt}", f"run_dir={tmp_path / 'run'}", "name=ranks",
         "rollout.max_model_len=1024", "rollout.max_new_tokens_per_turn=32", "rollout.kv_cache_gib=0.5",
         "envs.weights={terminal: 1.0}", "envs.env_ids.terminal=terminal-basics-v0", "envs.max_turns=2",
-        "algorithm.group_size=2", "algorithm.dynamic_sampling=off",
+        "algorithm.group_size=2", "algorithm.dynamic_sampling=off", "algorithm.advantage=gae",
         "trainer.num_workers=2", "trainer.zero_stage=3", "trainer.tasks_per_step=3", "trainer.micro_batch_size=2",
         "trainer.async_mode=true", "trainer.max_staleness=2",
         "trainer.lr=1e-3", "trainer.steps=4", "eval.n_per_domain=1", "logging.wandb_mode=disabled",
@@ -44,6 +44,7 @@ def test_two_ranks_zero3_async_with_bounded_staleness(tmp_path):
     print("policy lag of each update:", lags, "gap after the last sync:", gap)
     assert len(trained) == 4 and all(r["trainer/world_size"] == 2 and r["train/seqs"] == 6 for r in trained)
     assert max(lags) <= 2 and max(lags) >= 1  # the bound holds, and updates did run behind the rollouts
+    assert all("value/loss" in r and "value/explained_var" in r for r in trained)  # PPO + GAE: the critic trains
     # the engine serves exactly the weights gathered from the two ZeRO-3 shards
     assert gap["mismatch/logprob_abs_mean"] < 2e-3, gap
     assert gap["mismatch/logprob_abs_max"] < 2e-2

@@ -1,0 +1,150 @@
+"""The PPO critic: a scalar value head on its own copy of the policy, trained with the clipped value loss.
+
+Why a separate copy and not a head on the policy's trunk: the policy's gradient then stays exactly
+what the RL objective says (no value-regression gradient through shared weights, in particular none
+into the MoE routers, whose balance the policy's router terms and routing replay manage), the critic
+can take its own learning rate, and the policy checkpoint the engines load is untouched by it. The
+cost is a second set of weights and Adam moments per rank; the head starts at zero, so the first
+values are 0 and the first advantages are plain discounted returns. (OpenRLHF and verl make the
+same choice for PPO.)
+
+`values(batch)` gives V(s_t) for every target position t, aligned like `token_logprobs`: the value of
+the state before token t is read off the hidden state at t - 1 (`values_BT[:, 0] = 0`).
+`value_step(batch)` takes one optimizer step of `rl.algos.clipped_value_loss` against
+`batch.returns_BT`, with the step batch's aggregation weights (global with N ranks, like the policy).
+
+What it does not do: compute advantages or returns (the driver does, with `rl.algos`), or replay
+routes (the critic's MoE routes freely).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rl.trainer.batch import TrainBatch
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    lr: float = 1e-5
+    value_clip: float = 0.2  # <= 0: plain squared error
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 1
+    micro_batch_size: int = 4
+    dtype: str = "float32"
+
+
+class ValueModel(nn.Module):
+    """A causal LM trunk with a zero-initialised scalar head on its final (normed) hidden states."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = int(lm.config.hidden_size)
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [B, T] aligned to targets, a zero-valued term that ties the unused LM head into the graph)."""
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+        h_BTD = out.hidden_states[-1]
+        v_BT = self.head(h_BTD.to(self.head.weight.dtype)).squeeze(-1).float()
+        values_BT = torch.zeros_like(v_BT)
+        values_BT[:, 1:] = v_BT[:, :-1]  # V(s_t) from the state after tokens < t
+        # DeepSpeed expects a gradient (possibly zero) for every trainable parameter it manages.
+        return values_BT, out.logits.float().sum() * 0.0
+
+
+def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 for a perfect critic, 0 for one no better
+    than a constant, negative for a worse one. Of the values the advantages were computed with."""
+    r, v = returns_BT[mask_BT].double(), values_BT[mask_BT].double()
+    var_r = float(r.var(unbiased=False)) if r.numel() else 0.0
+    return 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else 0.0
+
+
+class CriticTrainer:
+    """One rank's critic engine (the process group is already up: the policy trainer started it)."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], spec: CriticSpec, world_size: int = 1) -> None:
+        import deepspeed
+
+        from rl.trainer.policy import load_policy
+
+        self.spec = spec
+        self.world_size = world_size
+        module = ValueModel(load_policy(model_dir, spec.dtype))
+        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=spec.lr,
+                                      weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": spec.grad_clip,
+            "zero_optimization": {"stage": spec.zero_stage},
+            "bf16": {"enabled": spec.dtype == "bfloat16"},
+            "steps_per_print": 10**9,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+
+    def _micro_batches(self, batch: TrainBatch, n_micro: int, pad_only: bool) -> list[tuple[TrainBatch, bool]]:
+        mbs = self.spec.micro_batch_size
+        out = [] if pad_only else [(batch.select(slice(s, s + mbs)), False) for s in range(0, batch.num_seqs, mbs)]
+        while len(out) < n_micro:
+            out.append((batch.select([0]), True))
+        return out
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> torch.Tensor:
+        self.engine.eval()
+        out = []
+        for mb, padding in self._micro_batches(batch, n_micro, pad_only):
+            v, _ = self.engine(mb.input_ids_BT, mb.attention_mask_BT)
+            if not padding:
+                out.append(v * (mb.loss_mask_BT > 0))
+        self.engine.train()
+        return torch.cat(out) if out else batch.loss_mask_BT[:0].clone()
+
+    def value_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
+        """One optimizer step on the clipped value loss (Andrychowicz et al. 2021's PPO2 form)."""
+        from rl.algos import clipped_value_loss
+
+        if batch.returns_BT is None or batch.values_BT is None:
+            raise ValueError("value_step needs batch.values_BT (the values the advantages used) and batch.returns_BT")
+        t0 = time.perf_counter()
+        self.engine.train()
+        clip = self.spec.value_clip if self.spec.value_clip > 0 else None
+        loss_sum, clipfrac, n_tok = 0.0, 0.0, 0.0
+        for mb, padding in self._micro_batches(batch, n_micro, pad_only):
+            v, tie = self.engine(mb.input_ids_BT, mb.attention_mask_BT)
+            loss, m = clipped_value_loss(v, mb.values_BT, mb.returns_BT, mb.loss_mask_BT > 0, clip=clip,
+                                         weights_BT=mb.loss_weights_BT)
+            loss = loss + tie
+            if padding:
+                loss = loss * 0.0
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            if padding:
+                continue
+            tok = float((mb.loss_mask_BT > 0).sum())
+            loss_sum += float(m["vf/loss"])  # the step-batch weights make the micro-batch losses add up
+            clipfrac += m["vf/clipfrac"] * tok
+            n_tok += tok
+        self.engine.step()
+        g = self.engine.get_global_grad_norm()
+        out = {"value/loss": loss_sum, "value/clipfrac": clipfrac / max(n_tok, 1.0),
+               "value/grad_norm": float(g) if g is not None else float("nan"), "value/step_s": time.perf_counter() - t0}
+        if not pad_only:
+            out["value/explained_var"] = explained_variance(batch.values_BT, batch.returns_BT, batch.loss_mask_BT > 0)
+        return out
+
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag="critic")
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> None:
+        self.engine.load_checkpoint(str(ckpt_dir), tag="critic")
