@@ -1,4 +1,5 @@
-"""`jointrl eval CKPT`: held-out success per domain (and per thinking tier) for one checkpoint.
+"""Held-out evaluation: `evaluate(rt, label)` (the driver's before / after tables) and `jointrl eval CKPT`,
+held-out success per domain (and per thinking tier) for one checkpoint.
 
 CKPT is a HF checkpoint dir (a run's `checkpoint/hf`, or any compatible model dir with the
 project tokenizer) or a shipped model shape name (random weights: a floor for comparisons).
@@ -7,14 +8,73 @@ and graders as training. Prints a table and writes RUN_DIR/eval_<label>.json.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from rl.config import RunConfig
 from rl.log import get_logger, setup_logging
 
 log = get_logger("eval")
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    domain: str
+    tier: str
+    n: int
+    success: float
+    reward: float
+    tokens: float
+    turns: float
+    samples: int = 1  # episodes per task; n x samples episodes in all
+    task_success: tuple[float, ...] = ()  # per task (held-out order), success over its samples: for paired comparisons
+
+
+def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
+    """Held-out success per domain (and tier) through the runtime's engines (`rt`: rl.runtime.Runtime):
+    `eval.samples` episodes per task at `eval.temperature`; writes RUN_DIR/eval_<label>.json."""
+    ev = rt.cfg.eval
+    n = n_per_domain or ev.n_per_domain or max(2, rt.cfg.trainer.tasks_per_step)
+    rows: list[EvalRow] = []
+    for d in rt.domains:
+        for tier in tiers or (None,):
+            tasks = rt.eval_tasks[d][:n]
+            if tier is not None:
+                from dataclasses import replace
+
+                tasks = [replace(t, thinking=tier) for t in tasks]
+            groups = rt.run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
+            eps = [e for g in groups for e in g]
+            rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(tasks), samples=ev.samples,
+                                task_success=tuple(float(np.mean([e.reward >= 1.0 for e in g])) for g in groups),
+                                success=float(np.mean([e.reward >= 1.0 for e in eps])) if eps else 0.0,
+                                reward=float(np.mean([e.reward for e in eps])) if eps else 0.0,
+                                tokens=float(np.mean([sum(e.loss_mask) for e in eps])) if eps else 0.0,
+                                turns=float(np.mean([e.num_turns for e in eps])) if eps else 0.0))
+    (rt.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return rows
+
+def format_eval_table(before: Sequence[EvalRow], after: Sequence[EvalRow] | None = None) -> str:
+    head = f"{'domain':<10} {'tier':<5} {'n':>3} {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
+    if after is not None:
+        head += f" | {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
+    lines = [head, "-" * len(head)]
+    for i, b in enumerate(before):
+        line = f"{b.domain:<10} {b.tier:<5} {b.n:>3} {b.success:>8.3f} {b.reward:>7.3f} {b.tokens:>7.1f} {b.turns:>6.2f}"
+        if after is not None and i < len(after):
+            a = after[i]
+            line += f" | {a.success:>8.3f} {a.reward:>7.3f} {a.tokens:>7.1f} {a.turns:>6.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+def print_eval_table(run_dir: Path, before: Sequence[EvalRow], after: Sequence[EvalRow]) -> None:
+    text = "held-out evaluation: before RL | after RL\n" + format_eval_table(before, after)
+    print(text, flush=True)
+    (Path(run_dir) / "eval_table.txt").write_text(text + "\n")
 
 
 def main(cfg: RunConfig, checkpoint: str, tasks_per_domain: int = 8, tiers: Sequence[str] | None = None) -> int:
@@ -32,8 +92,8 @@ def main(cfg: RunConfig, checkpoint: str, tasks_per_domain: int = 8, tiers: Sequ
                   logging=replace(cfg.logging, wandb_mode="disabled"))
     rt = Runtime.start(cfg, with_trainer=False)
     try:
-        rows = rt.evaluate("eval", n_per_domain=tasks_per_domain, tiers=tiers)
-        print(f"held-out evaluation of {checkpoint}\n" + rt.format_eval_table(rows), flush=True)
+        rows = evaluate(rt, "eval", n_per_domain=tasks_per_domain, tiers=tiers)
+        print(f"held-out evaluation of {checkpoint}\n" + format_eval_table(rows), flush=True)
     finally:
         rt.shutdown()
     return 0

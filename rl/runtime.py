@@ -66,16 +66,18 @@ def describe_placement(cfg: RunConfig) -> list[str]:
 
 
 @dataclass(frozen=True)
-class EvalRow:
-    domain: str
-    tier: str
-    n: int
-    success: float
-    reward: float
-    tokens: float
-    turns: float
-    samples: int = 1  # episodes per task; n x samples episodes in all
-    task_success: tuple[float, ...] = ()  # per task (held-out order), success over its samples: for paired comparisons
+class PendingUpdate:
+    """One update running (or queued) on the trainer ranks; `finish()` waits for it."""
+
+    trainer: Any  # rl.trainer.group.TrainerGroup
+    refs: list[Any]  # one Ray object ref per rank
+    staleness: int  # policy versions between the oldest episode's generator and the weights it trains
+
+    def finish(self) -> dict[str, float]:
+        m = self.trainer.wait(self.refs)  # per-rank metrics combined; carries trainer/world_size
+        m["policy/staleness"] = float(self.staleness)
+        m["rollout/max_staleness_seen"] = float(self.staleness)
+        return m
 
 
 class Runtime:
@@ -223,7 +225,7 @@ class Runtime:
             ray.shutdown()
 
     # ------------------------------------------------------------------ rollout
-    def _make_env(self, task: Task):
+    def make_env(self, task: Task):
         import envs
 
         return envs.make(self.env_ids[task.domain])
@@ -237,7 +239,7 @@ class Runtime:
                             thinking_budgets=dict(r.thinking_budgets), max_turns=self.cfg.envs.max_turns,
                             end_token_id=self.chat.IM_END_ID, per_request_seed=r.seeded_requests)
 
-    def _run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
+    def run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
         from rl.rollout.agent_loop import BatchingGenerator, run_groups
 
         async def go():
@@ -245,7 +247,7 @@ class Runtime:
                 return await asyncio.to_thread(self.rollout_engine.generate, reqs)
 
             gen = BatchingGenerator(generate_batch)
-            return await run_groups(tasks, group_size, self._make_env, gen, self.tok, self.chat, self._loop_settings(temperature),
+            return await run_groups(tasks, group_size, self.make_env, gen, self.tok, self.chat, self._loop_settings(temperature),
                                     policy_version=self.policy_version, max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                     seed=seed)
 
@@ -262,14 +264,14 @@ class Runtime:
         t0 = time.perf_counter()
         G = self.cfg.algorithm.group_size
         seed = rollout_seed(self.cfg.envs.seed, step)
-        eps = self._run_groups(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
+        eps = self.run_groups(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
         groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
         m = rollout_metrics(groups, self.tok, policy_version=self.policy_version)
         m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
         return groups, m
 
     # ------------------------------------------------------------------ training
-    def _batch(self, episodes: Sequence[Episode], adv: Sequence[float]):
+    def batch_of(self, episodes: Sequence[Episode], adv: Sequence[float]):
         from rl.algos import aggregation_weights
         from rl.trainer.batch import collate
 
@@ -286,13 +288,13 @@ class Runtime:
         """The groups' episodes as one padded TrainBatch with the step batch's aggregation weights (and
         the reference logprobs, when the reward penalty already computed them for these episodes)."""
         episodes = [e for g in groups for e in g.episodes]
-        batch = self._batch(episodes, [0.0] * len(episodes))
+        batch = self.batch_of(episodes, [0.0] * len(episodes))
         ref = self._ref_cache.pop(tuple(id(e) for e in episodes), None)
         return batch if ref is None else batch.with_(ref_logprobs_BT=ref)
 
     def submit_train(self, batch, groups: Sequence[RolloutGroup]) -> Any:
         """Start one update of `batch` (the `groups`' episodes, advantages set) on the trainer;
-        returns a handle for `wait_train` (non-blocking)."""
+        returns a `PendingUpdate` (non-blocking)."""
         episodes = [e for g in groups for e in g.episodes]
         # The version this update starts from, tracked here: asking the trainer would wait behind the
         # updates queued on it. Lag = that version minus the oldest policy that generated an episode.
@@ -300,16 +302,7 @@ class Runtime:
             self._next_update_version = self.trainer.version()
         staleness = self._next_update_version - min(e.policy_version for e in episodes)
         self._next_update_version += 1
-        return (self.trainer.submit_rl_step(batch), float(staleness))
-
-    def wait_train(self, pending: Any) -> dict[str, float]:
-        import ray
-
-        refs, staleness = pending
-        m = self.trainer.wait(refs)  # carries trainer/world_size
-        m["policy/staleness"] = staleness
-        m["rollout/max_staleness_seen"] = staleness
-        return m
+        return PendingUpdate(self.trainer, self.trainer.submit_rl_step(batch), staleness)
 
     # ------------------------------------------------------------------ KL reference
     @property
@@ -346,7 +339,7 @@ class Runtime:
         from rl.algos.kl import kl_reward_penalty
 
         episodes = [e for g in groups for e in g.episodes]
-        batch = self._batch(episodes, [0.0] * len(episodes))
+        batch = self.batch_of(episodes, [0.0] * len(episodes))
         ref_BT = self.trainer.reference_logprobs(batch)
         penalty_BT, m = kl_reward_penalty(batch.rollout_logprobs_BT, ref_BT, batch.loss_mask_BT > 0,
                                           coef=self.cfg.algorithm.kl_coef, estimator="k1")
@@ -357,36 +350,10 @@ class Runtime:
         self._ref_cache = {tuple(id(e) for e in new_eps): ref_BT}  # the update reuses this pass
         return out, m
 
-    def sft_warm_start(self, steps: int) -> dict[str, float]:
-        """Supervised warm start on reference trajectories of train tasks (all weighted domains)."""
-        import ray
-
-        from rl.sft import reference_episodes
-
-        per_domain = self.cfg.trainer.sft_tasks_per_domain or max(4, self.cfg.trainer.tasks_per_step * 4)
-        tasks = [t for d in self.domains for t in self.train_tasks[d][:per_domain]]
-        eps = asyncio.run(reference_episodes(tasks, self._make_env, self.tok, self.chat, max_concurrent=self.cfg.envs.sandbox_slots))
-        if not eps:
-            log.warning("SFT: no reference trajectories; skipping the warm start")
-            return {}
-        eps = [e for e in eps if len(e.token_ids) <= self.cfg.rollout.max_model_len]
-        log.info("SFT warm start: %d reference trajectories, %d steps", len(eps), steps)
-        rng = random.Random(self.cfg.model.seed)
-        self.trainer.set_lr(self.cfg.trainer.sft_lr)
-        m: dict[str, float] = {}
-        bs = max(1, self.cfg.trainer.micro_batch_size)
-        bar = progress(range(steps), desc="sft", total=steps)
-        with open(self.run_dir / "sft_metrics.jsonl", "a", encoding="utf-8") as f:
-            for i in bar:
-                chosen = rng.sample(eps, min(bs, len(eps)))
-                batch = self._batch(chosen, [0.0] * len(chosen))
-                m = self.trainer.sft_step(batch)
-                f.write(json.dumps({"sft_step": i, **m}) + "\n")
-                bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
-        self.trainer.set_lr(self.cfg.trainer.lr)
+    def refresh_versions(self) -> None:
+        """Re-read the trainer's version after it stepped outside the RL loop (SFT); nothing may be in flight."""
         self.policy_version = self.trainer.version()
         self._next_update_version = None
-        return {**m, "sft/trajectories": float(len(eps))}
 
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engines, never through the driver's memory.
@@ -424,7 +391,7 @@ class Runtime:
             return {}
         seqs = [list(e.token_ids[: self.cfg.rollout.max_model_len - 1]) for e in eps]
         engine_lp = self.rollout_engine.score(seqs)
-        batch = self._batch(eps, [0.0] * len(eps))
+        batch = self.batch_of(eps, [0.0] * len(eps))
         trainer_lp, _ = self.trainer.compute_logprobs(batch)
         diffs = []
         for i, e in enumerate(eps):
@@ -436,48 +403,6 @@ class Runtime:
         return {"mismatch/logprob_abs_mean": float(d.mean()), "mismatch/logprob_abs_max": float(d.max())}
 
     # ------------------------------------------------------------------ eval, logging, checkpoints
-    def evaluate(self, label: str, n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
-        """Held-out success per domain (and tier): `eval.samples` episodes per task at `eval.temperature`."""
-        ev = self.cfg.eval
-        n = n_per_domain or ev.n_per_domain or max(2, self.cfg.trainer.tasks_per_step)
-        rows: list[EvalRow] = []
-        for d in self.domains:
-            for tier in tiers or (None,):
-                tasks = self.eval_tasks[d][:n]
-                if tier is not None:
-                    from dataclasses import replace
-
-                    tasks = [replace(t, thinking=tier) for t in tasks]
-                groups = self._run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
-                eps = [e for g in groups for e in g]
-                rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(tasks), samples=ev.samples,
-                                    task_success=tuple(float(np.mean([e.reward >= 1.0 for e in g])) for g in groups),
-                                    success=float(np.mean([e.reward >= 1.0 for e in eps])) if eps else 0.0,
-                                    reward=float(np.mean([e.reward for e in eps])) if eps else 0.0,
-                                    tokens=float(np.mean([sum(e.loss_mask) for e in eps])) if eps else 0.0,
-                                    turns=float(np.mean([e.num_turns for e in eps])) if eps else 0.0))
-        (self.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
-        return rows
-
-    @staticmethod
-    def format_eval_table(before: Sequence[EvalRow], after: Sequence[EvalRow] | None = None) -> str:
-        head = f"{'domain':<10} {'tier':<5} {'n':>3} {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
-        if after is not None:
-            head += f" | {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
-        lines = [head, "-" * len(head)]
-        for i, b in enumerate(before):
-            line = f"{b.domain:<10} {b.tier:<5} {b.n:>3} {b.success:>8.3f} {b.reward:>7.3f} {b.tokens:>7.1f} {b.turns:>6.2f}"
-            if after is not None and i < len(after):
-                a = after[i]
-                line += f" | {a.success:>8.3f} {a.reward:>7.3f} {a.tokens:>7.1f} {a.turns:>6.2f}"
-            lines.append(line)
-        return "\n".join(lines)
-
-    def print_eval_table(self, before: Sequence[EvalRow], after: Sequence[EvalRow]) -> None:
-        text = "held-out evaluation: before RL | after RL\n" + self.format_eval_table(before, after)
-        print(text, flush=True)
-        (self.run_dir / "eval_table.txt").write_text(text + "\n")
-
     def samples_for_log(self, groups: Sequence[RolloutGroup]) -> list[dict[str, str]]:
         out = []
         per = self.cfg.logging.samples_per_domain

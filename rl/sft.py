@@ -4,7 +4,8 @@ Each domain's task generator ships a scripted reference solution. We run it thro
 environment (sandbox, tools, grader) on *train* tasks only, keep the transcripts that score 1,
 and render them with the chat format exactly as the agent loop would see them: prompt and tool
 turns have loss mask 0, assistant completions (`model.chat.render_completion`) mask 1. The
-result is a list of `Episode`s the trainer's `sft_step` consumes. Held-out tasks never appear.
+result is a list of `Episode`s the trainer's `sft_step` consumes (`sft_warm_start` runs the steps).
+Held-out tasks never appear.
 """
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ async def reference_episodes(tasks: Sequence[Task], make_env: Callable[[Task], A
 
     out = await asyncio.gather(*(one(t) for t in tasks if t.split == "train"))
     return [e for e in out if e is not None]
+
+
+def sft_warm_start(rt: Any, steps: int) -> dict[str, float]:
+    """Supervised warm start on reference trajectories of train tasks (all weighted domains), through
+    the runtime's trainer (`rt`: rl.runtime.Runtime); the engines are not synced here."""
+    import json
+    import random
+
+    from rl.log import progress
+
+    per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
+    tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
+    eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.chat, max_concurrent=rt.cfg.envs.sandbox_slots))
+    if not eps:
+        log.warning("SFT: no reference trajectories; skipping the warm start")
+        return {}
+    eps = [e for e in eps if len(e.token_ids) <= rt.cfg.rollout.max_model_len]
+    log.info("SFT warm start: %d reference trajectories, %d steps", len(eps), steps)
+    rng = random.Random(rt.cfg.model.seed)
+    rt.trainer.set_lr(rt.cfg.trainer.sft_lr)
+    m: dict[str, float] = {}
+    bs = max(1, rt.cfg.trainer.micro_batch_size)
+    bar = progress(range(steps), desc="sft", total=steps)
+    with open(rt.run_dir / "sft_metrics.jsonl", "a", encoding="utf-8") as f:
+        for i in bar:
+            chosen = rng.sample(eps, min(bs, len(eps)))
+            batch = rt.batch_of(chosen, [0.0] * len(chosen))
+            m = rt.trainer.sft_step(batch)
+            f.write(json.dumps({"sft_step": i, **m}) + "\n")
+            bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
+    rt.trainer.set_lr(rt.cfg.trainer.lr)
+    rt.refresh_versions()
+    return {**m, "sft/trajectories": float(len(eps))}

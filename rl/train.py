@@ -80,23 +80,25 @@ def oversample(rt, step: int, groups: list[RolloutGroup], want: int, max_tasks: 
 def drain(rt, in_flight: deque, step: int) -> None:
     """Finish every submitted update (logging its metrics at `step`) and sync the engines."""
     while in_flight:
-        rt.sink.log(StepMetrics(step=step, values=rt.wait_train(in_flight.popleft())))
+        rt.sink.log(StepMetrics(step=step, values=in_flight.popleft().finish()))
         rt.sync_weights()
 
 
 def run(cfg: RunConfig, runtime=None) -> dict:
     """Train according to `cfg`; returns a summary (before/after eval tables, last metrics)."""
+    from rl.evaluate import evaluate, print_eval_table
     from rl.runtime import Runtime
+    from rl.sft import sft_warm_start
 
     setup_logging(cfg.logging.level)
     rt = runtime or Runtime.start(cfg)
     try:
         summary: dict = {}
         if rt.start_step == 0 and cfg.trainer.sft_steps > 0:
-            summary["sft"] = rt.sft_warm_start(cfg.trainer.sft_steps)   # supervised warm start on reference trajectories
+            summary["sft"] = sft_warm_start(rt, cfg.trainer.sft_steps)  # supervised warm start on reference trajectories
             rt.sync_weights()
         rt.prepare_reference()                                                 # the KL reference, when one is configured
-        summary["before"] = rt.evaluate("before")
+        summary["before"] = evaluate(rt, "before")
         bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
         t_run = time.perf_counter()
         # Submitted updates whose weights the engines do not have yet. Sync mode waits for each at once;
@@ -127,7 +129,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                 ds_m.update(adv_m)
                 in_flight.append(rt.submit_train(batch, kept))                 # old logprobs (+ routes), the update, the critic
             while len(in_flight) > lag:                                        # bounded staleness
-                train_m = rt.wait_train(in_flight.popleft())
+                train_m = in_flight.popleft().finish()
                 sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines
             t_train = time.perf_counter()
             gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
@@ -144,8 +146,8 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                 rt.checkpoint(step + 1)                                        # save (model, optimizer, sampler, rng)
         drain(rt, in_flight, cfg.trainer.steps - 1)
         rt.checkpoint(cfg.trainer.steps)
-        summary["after"] = rt.evaluate("after")
-        rt.print_eval_table(summary["before"], summary["after"])
+        summary["after"] = evaluate(rt, "after")
+        print_eval_table(rt.run_dir, summary["before"], summary["after"])
         return summary
     finally:
         if runtime is None:

@@ -24,6 +24,7 @@ class TrainerWorker:
     def __init__(self, model_dir: str, spec: TrainerSpec, objective: Objective | None, cache_env: dict[str, str] | None = None,
                  rank: int = 0, world_size: int = 1, master_port: int | None = None, master_addr: str | None = None,
                  critic: CriticSpec | None = None) -> None:
+        self._rss_start_mb = _rss_mb()
         for k, v in (cache_env or {}).items():
             os.environ.setdefault(k, v)
         torch.set_num_threads(max(1, int(os.environ.get("JOINTRL_TRAINER_THREADS", "1"))))
@@ -35,6 +36,16 @@ class TrainerWorker:
         m = self.t.module
         return {"params": sum(p.numel() for p in m.parameters()), "model_type": m.config.model_type,
                 "replay_supported": self.t.replay_supported, "version": self.t.version}
+
+    def memory(self) -> dict[str, float]:
+        """This rank's resident memory: now, its peak, and both less what the process held before
+        the model, optimizer and DeepSpeed engine were built."""
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+        now = _rss_mb()
+        return {"rss_mb": now, "peak_rss_mb": peak, "start_rss_mb": self._rss_start_mb,
+                "model_rss_mb": now - self._rss_start_mb, "model_peak_rss_mb": peak - self._rss_start_mb}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -140,3 +151,8 @@ class TrainerWorker:
         if self.critic is not None:
             self.critic.load_checkpoint(ckpt_dir)
         return state
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

@@ -33,6 +33,15 @@ class TrainerResources:
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # A custom Ray resource each bundle also requires ("" = none), so ranks land only on the nodes
+    # started with it (`trainer.node_resource`); each takes NODE_RESOURCE_UNIT of it.
+    node_resource: str = ""
+
+    def bundle(self) -> dict[str, float]:
+        from rl.config import NODE_RESOURCE_UNIT
+
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}),
+                **({self.node_resource: NODE_RESOURCE_UNIT} if self.node_resource else {})}
 
 
 def reduce_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -81,8 +90,7 @@ class TrainerGroup:
 
         from rl.trainer.actor import TrainerWorker
 
-        bundle = {"CPU": resources.num_cpus, **({"GPU": resources.num_gpus} if resources.num_gpus else {})}
-        pg = placement_group([dict(bundle) for _ in range(num_ranks)], strategy=placement_strategy)
+        pg = placement_group([resources.bundle() for _ in range(num_ranks)], strategy=placement_strategy)
         ray.get(pg.ready())
         # The rendezvous lives on rank 0's node: start rank 0 first and ask it for its address.
         actor = ray.remote(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_restarts=0)(TrainerWorker)
@@ -198,6 +206,10 @@ class TrainerGroup:
 
     def load_checkpoint(self, ckpt_dir: str) -> dict:
         return self._each("load_checkpoint", ckpt_dir)[0]
+
+    def memory(self) -> list[dict[str, float]]:
+        """Each rank's resident memory (TrainerWorker.memory), in rank order."""
+        return self._each("memory")
 
     def close_sync(self) -> None:
         self._each("close_sync")
