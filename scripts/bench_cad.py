@@ -3,6 +3,11 @@
     .venv/bin/python scripts/bench_cad.py [--repeats 5]
 
 Measures (median wall seconds):
+  * the grading work for honest submissions (every family's alternative construction, graded
+    against its reference in process) with the hardened path (static BREP scan in the host and
+    again in the worker, per-solid checks, one general fuse for the three boolean cells, the
+    consistency checks) vs the path before it (parse, fuse, one validity check, BRepAlgoAPI_Common),
+    interleaved in one run; the defence's budget is 1.5x;
   * grading one submission in a warm worker vs in a fresh process that must import cadquery
     first (what the warm pool saves);
   * the exact-IoU comparison alone (in process);
@@ -32,10 +37,79 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(ts)
 
 
+def legacy_grade(data: bytes, ref, rs) -> float:
+    """The grading work as it was before the hardening (no scan, no per-solid or consistency checks,
+    IoU from BRepAlgoAPI_Common and signed volumes). Kept here only to measure what the defence costs."""
+    import io
+
+    import cadquery as cq
+    from OCP.BRepAlgoAPI import BRepAlgoAPI_Common
+
+    from envs.cad.kernel import geometry as G
+
+    shape = cq.Shape.importBrep(io.BytesIO(data))
+    solids = shape.Solids()
+    agent = solids[0] if len(solids) == 1 else solids[0].fuse(*solids[1:]).clean()
+    if not agent.isValid() or agent.Volume() <= 0:
+        return 0.0
+    va, vb = agent.Volume(), ref.Volume()
+    vi = cq.Shape.cast(BRepAlgoAPI_Common(agent.wrapped, ref.wrapped).Shape()).Volume()
+    iou = vi / (va + vb - vi)
+    abox = G.bbox(agent)
+    err = max(abs(x - y) for x, y in zip(abox, rs.bbox))
+    ok = (G.through_holes(agent) == rs.holes) + (G.face_count(agent) == rs.faces) + (err <= G.bbox_tolerance(rs.bbox))
+    return (1.0 if iou >= 1 - G.IOU_SNAP else iou) * ok / 3
+
+
+def hardened_grade(data: bytes, ref, rs) -> float:
+    """What the host (scan) and the worker (scan, load, checks, compare) now do for one submission."""
+    from envs.cad.kernel import brep
+    from envs.cad.kernel import geometry as G
+
+    brep.scan(data)
+    return G.compare(G.load_submission(data), ref, rs).score
+
+
+def bench_defence(repeats: int) -> tuple[float, float, int]:
+    """(legacy s, hardened s, submissions): summed over honest submissions, median over repeats, interleaved."""
+    import random
+
+    from envs.cad.families import FAMILIES
+    from envs.cad.kernel import geometry as G
+
+    cases = []
+    for name, fam in FAMILIES.items():
+        for v in random.Random(name).sample(fam.variants(), 2):
+            p = fam.params(v)
+            ns: dict = {}
+            exec(fam.reference(p), ns)  # noqa: S102 - trusted family code
+            ref = G.to_shape(ns["result"])
+            ns = {}
+            exec(fam.alternative(p), ns)  # noqa: S102
+            cases.append((G.export_brep(G.to_shape(ns["result"])), ref, G.summarize(ref)))
+    old, new = [], []
+    for _ in range(repeats):
+        for fn, out in ((legacy_grade, old), (hardened_grade, new)):
+            t0 = time.perf_counter()
+            for data, ref, rs in cases:
+                assert fn(data, ref, rs) == 1.0
+            out.append(time.perf_counter() - t0)
+    return statistics.median(old), statistics.median(new), len(cases)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--defence-only", action="store_true", help="only the hardened-vs-before grading comparison")
     args = ap.parse_args()
+
+    old_s, new_s, n_cases = bench_defence(args.repeats)
+    print(f"grading work, {n_cases} honest submissions (every family x 2), in process:")
+    print(f"  before the hardening:                           {old_s / n_cases * 1e3:8.1f} ms each")
+    print(f"  hardened (scan x2, solid checks, cells):        {new_s / n_cases * 1e3:8.1f} ms each"
+          f"   = {new_s / old_s:5.2f} x (budget 1.5 x)")
+    if args.defence_only:
+        return
 
     from envs.cad.families import FAMILIES
     from envs.cad.kernel import geometry as G

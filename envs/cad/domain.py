@@ -15,10 +15,14 @@ reference solid built from the family's own code:
 
     score = IoU x (holes_ok + faces_ok + bbox_ok) / 3        (kernel/geometry.py has the definitions)
 
-and 0 when the submitted code failed, timed out, was killed, or gave no valid solid. The rubric:
-`score` minus 0.1 x the fraction of malformed calls; truncated episodes score 0; a grader failure
-(worker crash or timeout) is a visible grade error, never a silent 0. IoU, each feature check and
-the counts are reported as `check/...` metrics.
+and 0 when the submitted code failed, timed out, was killed, or gave no valid solid. Nothing the
+sandbox produced is trusted: the runner's report only decides what the agent is shown and whether
+a file is looked for; the file is agent-made data, scanned before OCCT parses it
+(kernel/brep.py) and checked as a solid before it is measured (kernel/geometry.py). An invalid
+file scores 0 with a `check/reject_<code>` metric saying why. The rubric: `score` minus 0.1 x the
+fraction of malformed calls; truncated episodes score 0; a grader failure (worker crash, the
+per-file work timeout, no worker within the deadline) is a visible grade error for that episode,
+never a silent 0. IoU, each feature check and the counts are reported as `check/...` metrics.
 
 This module does not implement sandboxing (envs/sandbox/) nor the budget loop (envs/base.py).
 """
@@ -34,6 +38,7 @@ from typing import Mapping
 
 from envs.base import Domain, EnvSetupError, ToolInvocation, ToolOutput
 from envs.cad.families import FAMILIES
+from envs.cad.kernel.brep import BrepLimits
 from envs.cad.kernel.runner import REPORT_MARKER
 from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits
 from envs.tools import ToolContext, tool
@@ -42,7 +47,8 @@ from rewards import Rubric, Term, check, malformed_fraction
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernel"
 INSIDE_ROOT = "/opt/jointrl-cad"
-MAX_BREP_BYTES = 16 << 20
+MAX_BREP_BYTES = BrepLimits().max_bytes
+# Waiting for a worker + grading; the work alone has the pool's shorter work timeout (worker.py).
 GRADE_TIMEOUT_S = 90.0
 KILL_MARGIN_S = 1.0
 # cadquery + OCP + VTK map ~1.1 GB of address space before any modelling; booleans need more.
@@ -118,23 +124,28 @@ def describe_run(r: ExecResult, timeout_s: float) -> tuple[bool, str]:
         hint = " (probably the memory limit)" if r.exit_code in (-9, -6) else ""
         tail = (r.stderr or "")[-1500:]
         return False, f"ERROR: the CAD run ended without a report ({why}{hint}).\n{tail}".rstrip()
+    # The report is whatever the sandboxed process printed (the agent's code can print its own): it
+    # decides only what the agent is shown and whether a file is looked for, so it is read defensively.
     parts = []
     s = report.get("summary")
-    if report.get("ok") and isinstance(s, dict):
-        b = s["bbox"]
-        parts.append("OK: `result` is a valid solid.\n"
-                     f"volume: {_fmt(s['volume'])} mm^3\n"
-                     f"bounding box: x [{_fmt(b[0])}, {_fmt(b[3])}]  y [{_fmt(b[1])}, {_fmt(b[4])}]  z [{_fmt(b[2])}, {_fmt(b[5])}]"
-                     f"  (size {_fmt(b[3] - b[0])} x {_fmt(b[4] - b[1])} x {_fmt(b[5] - b[2])})\n"
-                     f"faces: {s['faces']} (same-surface faces merged)\n"
-                     f"through-holes: {s['holes']}\n"
-                     f"solids: {s['solids']}")
+    if report.get("ok") is True and isinstance(s, dict):
+        try:
+            b = [float(x) for x in s["bbox"]][:6]
+            parts.append("OK: `result` is a valid solid.\n"
+                         f"volume: {_fmt(float(s['volume']))} mm^3\n"
+                         f"bounding box: x [{_fmt(b[0])}, {_fmt(b[3])}]  y [{_fmt(b[1])}, {_fmt(b[4])}]  z [{_fmt(b[2])}, {_fmt(b[5])}]"
+                         f"  (size {_fmt(b[3] - b[0])} x {_fmt(b[4] - b[1])} x {_fmt(b[5] - b[2])})\n"
+                         f"faces: {int(s['faces'])} (same-surface faces merged)\n"
+                         f"through-holes: {int(s['holes'])}\n"
+                         f"solids: {int(s['solids'])}")
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError):
+            parts.append("OK: `result` is a valid solid.")
     else:
-        parts.append(f"ERROR: {report.get('error') or 'unknown failure'}".rstrip())
+        parts.append(f"ERROR: {str(report.get('error') or 'unknown failure')}".rstrip())
     out = report.get("stdout") or ""
-    if out.strip():
+    if isinstance(out, str) and out.strip():
         parts.append("--- output of your code ---\n" + out.rstrip())
-    return bool(report.get("ok")), "\n".join(parts)
+    return report.get("ok") is True, "\n".join(parts)
 
 
 class CadDomain(Domain):
@@ -226,7 +237,8 @@ class CadDomain(Domain):
             return {**zero, "submitted": 1.0, "valid": 0.0, "code_failed": 0.0, "timed_out": 0.0, "brep_unreadable": 1.0}
         res = self.pool.grade(task.private["reference_code"], data, timeout_s=self.grade_timeout_s)
         if not res.valid or res.comparison is None:
-            return {**zero, "submitted": 1.0, "valid": 0.0, "code_failed": 0.0, "timed_out": 0.0}
+            return {**zero, "submitted": 1.0, "valid": 0.0, "code_failed": 0.0, "timed_out": 0.0,
+                    f"reject_{res.code or 'no_solid'}": 1.0}
         c = res.comparison
         return {"score": c.score, "iou": c.iou, "holes_ok": c.holes_ok, "faces_ok": c.faces_ok, "bbox_ok": c.bbox_ok,
                 "feature_term": c.feature_term, "submitted": 1.0, "valid": 1.0, "code_failed": 0.0, "timed_out": 0.0,

@@ -9,9 +9,21 @@ agent-produced BREP data, and a worker that misbehaved must not be able to run c
 Requests: `grade` (reference code + the agent's BREP bytes -> geometry.Comparison or a reason the
 solid is invalid), `render` (code -> PNG of the four views + the solid's summary). Reference
 solids are built by exec'ing the family's own reference code (trusted, from envs/cad/families.py)
-and cached per worker. A request that overruns its timeout kills its worker (a fresh one starts on
-the next request), and the call raises `CadWorkerError`; each worker also has an address-space
-limit, so a pathological solid cannot take the host's memory.
+and cached per worker. Each worker has an address-space limit, so a pathological solid cannot take
+the host's memory.
+
+The agent's file is hostile data, and the pool is shared by every episode of a step, so no single
+file may hold a worker for long or hold other episodes up:
+  * `CadWorkerPool.grade` runs the static BREP scan (kernel/brep.py) in the calling process before
+    a worker is taken: a file with forged counts, instancing bombs or thousands of solids is refused
+    without touching the pool; the worker scans again before OCCT parses (`geometry.load_brep`);
+  * acquiring a worker has a deadline (the same one as the whole grade), so a caller never waits
+    without bound; failing it raises `CadWorkerError` for that caller;
+  * a grade request has its own work timeout (`work_timeout_s`, well below the grade's deadline):
+    a file that passes the scan but still overruns kills its worker and raises `CadWorkerError`
+    for the episode that sent it (a visible grade error), and a replacement worker starts at once
+    in the background, so the other episodes find a worker again without paying its start-up;
+  * a worker's reply is checked (`Comparison.check`) before anything is scored from it.
 
 What it does not do: run agent code (that happens only in the agent's sandbox, envs/cad/kernel/
 runner.py) or decide rewards (envs/cad/domain.py).
@@ -22,7 +34,6 @@ import atexit
 import base64
 import json
 import os
-import queue
 import select
 import struct
 import subprocess
@@ -33,11 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envs.cad.kernel import brep
 from envs.cad.kernel.geometry import Comparison
 from jointrl.paths import REPO_ROOT
 
 _LEN = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 256 << 20
+# An honest grade takes 0.01-0.1 s of kernel time (0.1 s in a warm worker with the IPC, ~10x that under
+# heavy load); the scan's caps bound a hostile file to a few seconds. Past this, the file is the problem.
+GRADE_WORK_TIMEOUT_S = 30.0
 
 
 class CadWorkerError(RuntimeError):
@@ -46,11 +61,13 @@ class CadWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class GradeResult:
-    """valid=False (with `reason`) when the agent's file holds no valid solid: that scores 0."""
+    """valid=False (with `reason`, and `code` from geometry.NoSolidError) when the agent's file holds no
+    valid solid: that scores 0."""
 
     valid: bool
     reason: str = ""
     comparison: Comparison | None = None
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -128,20 +145,16 @@ class _Handlers:
         return hit
 
     def grade(self, req: dict) -> dict:
+        # The reference first, outside the try: a failure there is the grader's (CadWorkerError), not the agent's.
         ref, ref_summary = self.reference(req["ref_code"])
         try:
-            shape = self.g.load_brep(base64.b64decode(req["brep_b64"]))
-            solids = shape.Solids()
-            if not solids:
-                return {"valid": False, "reason": "the file holds no solid"}
-            agent = self.g.to_shape(solids)
+            agent = self.g.load_submission(base64.b64decode(req["brep_b64"]))
+            c = self.g.compare(agent, ref, ref_summary)
         except self.g.NoSolidError as e:
-            return {"valid": False, "reason": str(e)}
-        if not agent.isValid():
-            return {"valid": False, "reason": "the solid fails the B-rep validity check"}
-        if agent.Volume() <= 0:
-            return {"valid": False, "reason": "the solid has no positive volume"}
-        c = self.g.compare(agent, ref, ref_summary)
+            return {"valid": False, "reason": str(e), "code": e.code}
+        except Exception as e:  # noqa: BLE001 - the kernel failing on agent-made geometry: that file's fault
+            return {"valid": False, "reason": f"the kernel failed on the solid ({type(e).__name__}: {e})",
+                    "code": "kernel"}
         return {"valid": True, "comparison": c.__dict__}
 
     def render(self, req: dict) -> dict:
@@ -231,71 +244,138 @@ class _Worker:
 
 
 class CadWorkerPool:
-    """Up to `size` warm workers, started on demand; thread-safe. `close()` stops them."""
+    """Up to `size` warm workers, started on demand; thread-safe. `close()` stops them.
 
-    def __init__(self, size: int = 2, *, start_timeout_s: float = 180.0, as_limit_mb: int = 6144) -> None:
+    Callers wait for a free worker in arrival order, each until its own deadline. A worker that dies
+    or is killed is replaced by a background start, so waiting callers get the first worker that
+    becomes free, whichever it is.
+    """
+
+    def __init__(self, size: int = 2, *, start_timeout_s: float = 180.0, as_limit_mb: int = 6144,
+                 work_timeout_s: float = GRADE_WORK_TIMEOUT_S) -> None:
         if size < 1:
             raise ValueError(f"CadWorkerPool size must be >= 1, got {size}")
         self.size = size
         self.start_timeout_s = start_timeout_s
         self.as_limit_mb = as_limit_mb
-        self._idle: "queue.LifoQueue[_Worker]" = queue.LifoQueue()
-        self._started = 0
-        self._lock = threading.Lock()
+        self.work_timeout_s = work_timeout_s
+        self._idle: list[_Worker] = []
+        self._started = 0  # workers alive or being started
+        self._cond = threading.Condition()
         self._closed = False
         self._all: list[_Worker] = []
+        self._waiting: list[object] = []  # tickets of callers waiting for a worker, oldest first
+        self.spawn_errors = 0
+        self.requests = 0  # requests that took a worker (files refused by the scan never do)
 
-    def _acquire(self) -> _Worker:
-        while True:
-            with self._lock:
-                if self._closed:
-                    raise CadWorkerError("the CAD worker pool is closed")
-                try:
-                    return self._idle.get_nowait()
-                except queue.Empty:
-                    spawn = self._started < self.size
-                    if spawn:
-                        self._started += 1
-            if spawn:
-                try:
-                    w = _Worker(self.start_timeout_s, self.as_limit_mb)
-                except BaseException:
-                    with self._lock:
-                        self._started -= 1
-                    raise
-                with self._lock:
-                    self._all.append(w)
-                return w
+    def _spawn(self) -> _Worker:
+        """Start one worker (the caller has counted it in `_started`)."""
+        try:
+            w = _Worker(self.start_timeout_s, self.as_limit_mb)
+        except BaseException:
+            with self._cond:
+                self._started -= 1
+                self.spawn_errors += 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            if self._closed:
+                self._started -= 1
+                closed = True
+            else:
+                self._all.append(w)
+                closed = False
+        if closed:
+            w.kill()
+            raise CadWorkerError("the CAD worker pool is closed")
+        return w
+
+    def _spawn_in_background(self) -> None:
+        def run() -> None:
             try:
-                return self._idle.get(timeout=1.0)
-            except queue.Empty:
-                continue
+                w = self._spawn()
+            except BaseException:  # noqa: BLE001 - counted in spawn_errors; the next caller retries inline
+                return
+            self._release(w)
+
+        threading.Thread(target=run, name="cad-worker-start", daemon=True).start()
+
+    def _acquire(self, deadline: float) -> _Worker:
+        ticket = object()
+        with self._cond:
+            self._waiting.append(ticket)
+            try:
+                while True:
+                    if self._closed:
+                        raise CadWorkerError("the CAD worker pool is closed")
+                    first = self._waiting[0] is ticket
+                    if first and self._idle:
+                        return self._idle.pop()
+                    if first and self._started < self.size:
+                        self._started += 1
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CadWorkerError(f"no CAD worker became free in time ({self.size} busy); grade not started")
+                    self._cond.wait(left)
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+        return self._spawn()  # outside the lock: a start takes seconds
 
     def _release(self, w: _Worker) -> None:
-        with self._lock:
+        with self._cond:
             if w.alive and not self._closed:
-                self._idle.put(w)
+                self._idle.append(w)
+                self._cond.notify_all()
                 return
             self._started -= 1
             if w in self._all:
                 self._all.remove(w)
+            respawn = not self._closed
         w.kill()
+        if respawn:
+            with self._cond:
+                self._started += 1
+            self._spawn_in_background()
 
-    def call(self, req: dict, timeout_s: float) -> dict:
-        w = self._acquire()
+    def call(self, req: dict, timeout_s: float, *, work_timeout_s: float | None = None) -> dict:
+        """Send one request; `timeout_s` bounds waiting for a worker plus the work, `work_timeout_s` the work."""
+        deadline = time.monotonic() + timeout_s
+        w = self._acquire(deadline)
+        with self._cond:
+            self.requests += 1
         try:
-            reply = w.call(req, timeout_s)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CadWorkerError(f"no time left for {req.get('op')!r} after waiting {timeout_s} s for a worker")
+            reply = w.call(req, left if work_timeout_s is None else min(left, work_timeout_s))
         finally:
             self._release(w)
         if not reply.get("ok"):
             raise CadWorkerError(f"CAD worker {req.get('op')!r} failed: {reply.get('error')}")
         return reply
 
-    def grade(self, ref_code: str, brep: bytes, timeout_s: float = 60.0) -> GradeResult:
-        r = self.call({"op": "grade", "ref_code": ref_code, "brep_b64": base64.b64encode(brep).decode()}, timeout_s)
-        if not r["valid"]:
-            return GradeResult(valid=False, reason=r["reason"])
-        return GradeResult(valid=True, comparison=Comparison(**r["comparison"]))
+    def grade(self, ref_code: str, brep_data: bytes, timeout_s: float = 60.0) -> GradeResult:
+        """Grade the agent's BREP bytes against the reference built from `ref_code`.
+
+        Invalid files are a GradeResult(valid=False); CadWorkerError when the grader could not finish
+        (no worker in time, the work timeout, a crash, an inconsistent reply).
+        """
+        try:
+            brep.scan(brep_data)  # here, before a worker is taken: a hostile file costs the pool nothing
+        except brep.BrepRejected as e:
+            return GradeResult(valid=False, reason=str(e), code="brep")
+        r = self.call({"op": "grade", "ref_code": ref_code, "brep_b64": base64.b64encode(brep_data).decode()},
+                      timeout_s, work_timeout_s=self.work_timeout_s)
+        if not r.get("valid"):
+            return GradeResult(valid=False, reason=str(r.get("reason", "")), code=str(r.get("code", "")))
+        try:
+            c = Comparison(**r["comparison"])
+            c.check()
+        except (KeyError, TypeError, ValueError) as e:
+            raise CadWorkerError(f"CAD worker sent an inconsistent comparison ({e})") from None
+        return GradeResult(valid=True, comparison=c)
 
     def render(self, code: str, panel: int = 160, timeout_s: float = 120.0) -> RenderResult:
         r = self.call({"op": "render", "code": code, "panel": panel}, timeout_s)
@@ -304,13 +384,15 @@ class CadWorkerPool:
                             holes=int(r["holes"]))
 
     def pids(self) -> list[int]:
-        with self._lock:
+        with self._cond:
             return [w.proc.pid for w in self._all if w.alive]
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self._closed = True
             workers, self._all = self._all, []
+            self._idle = []
+            self._cond.notify_all()
         for w in workers:
             w.kill()
 

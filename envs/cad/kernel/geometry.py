@@ -1,4 +1,4 @@
-"""Geometry of solids for cad-v0: summaries, through-hole count, exact volume IoU, feature checks.
+"""Geometry of solids for cad-v0: solid checks, summaries, through-hole count, exact volume IoU, feature checks.
 
 Used both inside the agent's sandbox (by `runner.py`, to describe the agent's own solid) and by the
 trusted grading workers (to compare the agent's solid with the reference). It depends only on
@@ -17,10 +17,27 @@ Definitions (the same on both sides, so what `run_cad` reports is what the grade
   `ShapeUpgrade_UnifySameDomain`, what cadquery's `clean()` runs), so two constructions of one
   part give the same count.
 * **bounding box** = the tight box (`BRepBndLib.AddOptimal`), in absolute coordinates.
-* **IoU** = V(A & B) / (V(A) + V(B) - V(A & B)) with V(A & B) from the exact B-rep boolean
-  (`BRepAlgoAPI_Common`) and volumes from `BRepGProp` (no voxels, no scale normalisation).
+* **IoU** = V(A & B) / (V(A & B) + V(A - B) + V(B - A)), with V(A & B) and V(A - B) from one
+  exact B-rep general fuse (`BOPAlgo_PaveFiller`, then `BRepAlgoAPI_Common` / `BRepAlgoAPI_Cut`
+  on it), V(B - A) = V(B) - V(A & B) from the trusted reference's volume, and volumes from
+  `BRepGProp` (no voxels, no scale normalisation). It equals the textbook
+  V(A & B) / (V(A) + V(B) - V(A & B)) when the agent's solid is consistent, and by construction
+  it lies in [0, 1].
 
-What it does not do: run agent code (runner.py), manage processes (worker.py) or draw (render.py).
+What the grader trusts about the agent's solid, and why (the solid is agent-made data; see
+docs/cad.md): nothing it states about itself. A B-rep carries its own orientation, so BRepGProp's
+volume is a signed surface integral: an inside-out solid has negative volume, and the boolean
+kernel treats it as the complement of its interior. `to_shape` therefore checks every solid on its
+own before anything is fused (B-rep valid, finite box, kernel tolerances <= MAX_TOLERANCE_MM,
+volume > 0) and checks the fuse against the union bounds max V_i <= V(fused) <= sum V_i;
+`compare` checks the measure identity V(A) = V(A & B) + V(A - B) between the agent's own
+integral and the boolean kernel's cells (they agree to ~1e-15 relative on analytic parts and
+~1e-5 on BSpline-bounded ones, where BRepGProp integrates numerically; a boundary that is
+inside-out, self-overlapping or open in places makes them disagree by the volume it misstates),
+and V(A & B) <= min(V(A), V(B)). Any failure is `NoSolidError`: an invalid submission, score 0.
+
+What it does not do: run agent code (runner.py), parse-check BREP text (brep.py, run before
+`load_brep` hands the file to OCCT), manage processes (worker.py) or draw (render.py).
 """
 from __future__ import annotations
 
@@ -30,16 +47,42 @@ from typing import Any
 
 import numpy as np
 
+if __package__:
+    from . import brep
+else:  # inside the sandbox this directory is on sys.path by itself (runner.py)
+    import brep
+
 # IoU values within this distance of 1 count as 1: volumes of the same solid built two ways
-# differ by kernel round-off (~1e-12 relative), never by a real modelling difference.
+# differ by kernel round-off (~1e-12 relative), never by a real modelling difference. Values above
+# 1 + IOU_SNAP cannot come from two consistent solids: they make the submission invalid.
 IOU_SNAP = 1e-6
+# The agent's own volume integral and the boolean kernel's cells must agree to this, relative to the
+# larger volume. Measured: <= 3e-15 over every family's reference, alternative and wrong parts; up to
+# 6e-6 on a thickened BSpline surface (Gauss integration of BSpline faces). A misstatement hidden below
+# it moves the IoU by at most about this much, so it buys an attacker nothing that matters.
+VOLUME_CONSISTENCY = 1e-3
+# Kernel tolerances (vertex / edge / face) above this make booleans fuzzy at the scale of the
+# features graded (honest parts here: <= 1.5e-7 mm; fillets and sweeps stay well under 1e-3 mm).
+MAX_TOLERANCE_MM = 0.01
+# Every solid must lie within this cube (mm): the parts are < 300 mm; far-away or astronomically large
+# coordinates only serve to overflow volumes or slow the kernel down.
+MAX_COORD_MM = 10_000.0
 # Bounding-box check: every coordinate of the agent's box within this of the reference's.
 BBOX_ABS_TOL_MM = 0.05
 BBOX_REL_TOL = 0.002  # x the reference box diagonal
 
 
 class NoSolidError(ValueError):
-    """The agent's result holds no usable solid (the message is shown to the agent)."""
+    """The agent's result holds no usable solid (the message is shown to the agent).
+
+    `code` names the class of failure for the grader's metrics: "brep" (the file failed the static
+    scan), "no_solid", "solid" (a solid failed its own checks), "inconsistent" (volumes that
+    contradict each other), "kernel" (OCCT raised on the agent's shape).
+    """
+
+    def __init__(self, message: str, code: str = "no_solid") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -73,6 +116,8 @@ class Comparison:
     agent_faces: int
     ref_faces: int
     bbox_err_mm: float  # largest |coordinate difference| of the two boxes
+    v_agent_only: float  # V(A - B)
+    v_ref_only: float  # V(B - A)
 
     @property
     def feature_term(self) -> float:
@@ -80,17 +125,79 @@ class Comparison:
 
     @property
     def score(self) -> float:
+        # Snap only kernel round-off just below 1; anything outside [0, 1 + IOU_SNAP] (or NaN) is not
+        # an IoU of two solids and scores nothing (compare() refuses it before it gets here).
+        if not 0.0 <= self.iou <= 1.0 + IOU_SNAP:
+            return 0.0
         iou = 1.0 if self.iou >= 1.0 - IOU_SNAP else self.iou
         return iou * self.feature_term
+
+    def check(self) -> None:
+        """Raise ValueError unless the numbers are those of two consistent solids (used on a worker's reply)."""
+        vols = (self.v_agent, self.v_ref, self.v_common, self.v_agent_only, self.v_ref_only)
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in vols + (self.iou, self.bbox_err_mm)):
+            raise ValueError("non-finite number in a comparison")
+        if self.v_agent <= 0 or self.v_ref <= 0:
+            raise ValueError("a solid without positive volume in a comparison")
+        tol = VOLUME_CONSISTENCY * max(self.v_agent, self.v_ref)
+        if min(self.v_common, self.v_agent_only, self.v_ref_only) < -tol:
+            raise ValueError("a negative boolean cell in a comparison")
+        if (abs(self.v_common + self.v_agent_only - self.v_agent) > tol
+                or abs(self.v_common + self.v_ref_only - self.v_ref) > tol):
+            raise ValueError("boolean cells that do not add up to the volumes")
+        union = self.v_common + self.v_agent_only + self.v_ref_only
+        if not 0.0 <= self.iou <= 1.0 + IOU_SNAP or abs(self.iou - self.v_common / union) > 1e-9:
+            raise ValueError(f"IoU {self.iou!r} does not follow from the volumes")
+        if any(x not in (0.0, 1.0) for x in (self.holes_ok, self.faces_ok, self.bbox_ok)):
+            raise ValueError("a feature check that is not 0 or 1")
 
 
 # ----------------------------------------------------------------------------- shapes from results
 def to_shape(result: Any):
     """The agent's `result` (a Workplane, a Shape, or a list of them) -> one cadquery Shape of its solids.
 
-    Overlapping solids are fused so the volume is not counted twice. Raises NoSolidError with a
-    message the agent can act on.
+    Every solid is checked on its own first (`check_solid`), then overlapping solids are fused so the
+    volume is not counted twice, and the fuse is checked against the bounds a union's volume obeys.
+    Raises NoSolidError with a message the agent can act on.
     """
+    solids = _solids(result)
+    vols = [check_solid(s, i) for i, s in enumerate(solids)]
+    if len(solids) == 1:
+        return solids[0]
+    fused = solids[0].fuse(*solids[1:]).clean()
+    v = volume(fused)
+    tol = VOLUME_CONSISTENCY * sum(vols)
+    if not fused.isValid() or not max(vols) - tol <= v <= sum(vols) + tol:
+        raise NoSolidError(f"fusing the {len(solids)} solids of `result` gave an inconsistent solid (volume {v:.6g}; "
+                           f"the solids have {max(vols):.6g} to {sum(vols):.6g} between them)", "inconsistent")
+    return fused
+
+
+def check_solid(solid, index: int = 0) -> float:
+    """One solid's own checks (module docstring); returns its volume or raises NoSolidError."""
+    from OCP.Bnd import Bnd_Box
+    from OCP.BRepBndLib import BRepBndLib
+    from OCP.BRepCheck import BRepCheck_Analyzer
+    from OCP.ShapeAnalysis import ShapeAnalysis_ShapeTolerance
+
+    which = f"solid {index + 1} of `result`"
+    if not BRepCheck_Analyzer(solid.wrapped).IsValid():
+        raise NoSolidError(f"{which} fails the B-rep validity check (open, self-inconsistent or badly built)", "solid")
+    tol = ShapeAnalysis_ShapeTolerance().Tolerance(solid.wrapped, 1)  # 1: the largest tolerance in the shape
+    if not tol <= MAX_TOLERANCE_MM:
+        raise NoSolidError(f"{which} has a kernel tolerance of {tol:.3g} mm (at most {MAX_TOLERANCE_MM} accepted)", "solid")
+    box = Bnd_Box()
+    BRepBndLib.Add_s(solid.wrapped, box, False)
+    if box.IsVoid() or not all(math.isfinite(x) and abs(x) <= MAX_COORD_MM for x in box.Get()):
+        raise NoSolidError(f"{which} is not inside the {MAX_COORD_MM:g} mm working volume", "solid")
+    v = volume(solid)
+    if not math.isfinite(v) or v <= 0:
+        raise NoSolidError(f"{which} has volume {v:.6g}: it is inside-out or not closed (a solid's faces must face "
+                           "outward)", "solid")
+    return v
+
+
+def _solids(result: Any) -> list:
     import cadquery as cq
 
     items: list[Any]
@@ -117,29 +224,47 @@ def to_shape(result: Any):
     if not solids:
         got = ", ".join(sorted(set(kinds))) or "nothing"
         raise NoSolidError(f"`result` contains no solid (found: {got}); build a 3D solid, e.g. extrude a sketch")
-    if len(solids) == 1:
-        return solids[0]
-    fused = solids[0].fuse(*solids[1:]).clean()
-    return fused
+    return solids
 
 
-def load_brep(data: bytes):
-    """BREP text (as written by `export_brep`) -> Shape. Raises NoSolidError if it is not a shape."""
+def load_brep(data: bytes, limits: brep.BrepLimits = brep.BrepLimits()):
+    """BREP text (as written by `export_brep`) -> Shape. Raises NoSolidError if it is not one the grader reads.
+
+    The text is scanned (brep.scan) before OCCT's reader sees it: the reader trusts every count and
+    index in the file.
+    """
     import io
 
     import cadquery as cq
 
     try:
+        brep.scan(data, limits)
+    except brep.BrepRejected as e:
+        raise NoSolidError(str(e), "brep") from None
+    try:
         return cq.Shape.importBrep(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - OCC raises assorted types on malformed input
-        raise NoSolidError(f"not a readable BREP file: {type(e).__name__}: {e}") from None
+        raise NoSolidError(f"not a readable BREP file: {type(e).__name__}: {e}", "brep") from None
+
+
+def load_submission(data: bytes):
+    """The agent's BREP file -> its checked, fused solid (`to_shape` of the file's solids). Raises NoSolidError."""
+    shape = load_brep(data)
+    solids = shape.Solids()
+    if not solids:
+        raise NoSolidError("the file holds no solid")
+    return to_shape(solids)
 
 
 def export_brep(shape) -> bytes:
+    """BREP text in format V3 without meshes (the grader's scan accepts exactly this subset)."""
     import io
 
+    from OCP.BRepTools import BRepTools
+    from OCP.TopTools import TopTools_FormatVersion
+
     buf = io.BytesIO()
-    shape.exportBrep(buf)
+    BRepTools.Write_s(shape.wrapped, buf, False, False, TopTools_FormatVersion.TopTools_FormatVersion_VERSION_3)
     return buf.getvalue()
 
 
@@ -207,23 +332,43 @@ def summarize(shape) -> Summary:
                    faces=face_count(shape), holes=through_holes(shape))
 
 
+def boolean_cells(a, b) -> tuple[float, float]:
+    """(V(A & B), V(A - B)) from one general fuse of A and B (the intersections are computed once and
+    shared by both operations). Raises RuntimeError if the kernel reports failure."""
+    from OCP.BOPAlgo import BOPAlgo_PaveFiller
+    from OCP.BRepAlgoAPI import BRepAlgoAPI_Common, BRepAlgoAPI_Cut
+    from OCP.BRepGProp import BRepGProp
+    from OCP.GProp import GProp_GProps
+    from OCP.TopTools import TopTools_ListOfShape
+
+    args = TopTools_ListOfShape()
+    args.Append(a.wrapped)
+    args.Append(b.wrapped)
+    pf = BOPAlgo_PaveFiller()
+    pf.SetArguments(args)
+    pf.Perform()
+    if pf.HasErrors():
+        raise RuntimeError("the B-rep intersection of the two solids (BOPAlgo_PaveFiller) failed")
+    out = []
+    for op in (BRepAlgoAPI_Common(a.wrapped, b.wrapped, pf), BRepAlgoAPI_Cut(a.wrapped, b.wrapped, pf)):
+        if not op.IsDone():
+            raise RuntimeError("a B-rep boolean on the two solids failed")
+        props = GProp_GProps()
+        BRepGProp.VolumeProperties_s(op.Shape(), props)
+        out.append(float(props.Mass()))
+    return out[0], out[1]
+
+
 def common_volume(a, b) -> float:
     """V(A & B) by the exact boolean. Raises if the kernel reports failure."""
-    from OCP.BRepAlgoAPI import BRepAlgoAPI_Common
-
-    op = BRepAlgoAPI_Common(a.wrapped, b.wrapped)
-    if not op.IsDone():
-        raise RuntimeError("the B-rep intersection (BRepAlgoAPI_Common) failed")
-    import cadquery as cq
-
-    return float(cq.Shape.cast(op.Shape()).Volume())
+    return boolean_cells(a, b)[0]
 
 
 def iou(a, b) -> tuple[float, float, float, float]:
-    """(IoU, V(A), V(B), V(A & B)); the formula in the module docstring."""
+    """(IoU, V(A), V(B), V(A & B)); the formula in the module docstring (no consistency checks: see compare)."""
     va, vb = volume(a), volume(b)
-    vi = common_volume(a, b)
-    union = va + vb - vi
+    vi, da = boolean_cells(a, b)
+    union = vb + da
     return (vi / union if union > 0 else 0.0), va, vb, vi
 
 
@@ -233,15 +378,40 @@ def bbox_tolerance(ref_box: tuple[float, ...]) -> float:
 
 
 def compare(agent, ref, ref_summary: Summary | None = None) -> Comparison:
-    """Compare the agent's solid with the reference in absolute coordinates."""
+    """Compare the agent's solid (already through `to_shape`) with the reference in absolute coordinates.
+
+    Raises NoSolidError when the volumes contradict each other (module docstring) or when the kernel
+    fails on the agent's shape.
+    """
     rs = ref_summary or summarize(ref)
-    value, va, vb, vi = iou(agent, ref)
-    abox = bbox(agent)
+    try:
+        va, vb = volume(agent), rs.volume
+        vi, da = boolean_cells(agent, ref)
+        abox = bbox(agent)
+        ah, af = through_holes(agent), face_count(agent)
+    except Exception as e:  # noqa: BLE001 - OCC (or the Euler check) failing on agent-made geometry
+        raise NoSolidError(f"the kernel could not measure the solid ({type(e).__name__}: {e})", "kernel") from None
+    # V(B) is the trusted reference's own volume, so V(B - A) = V(B) - V(A & B); what needs checking is
+    # that the kernel's cells of A add up to A's own integral and that the common part fits in both.
+    tol = VOLUME_CONSISTENCY * max(va, vb)
+    if not all(math.isfinite(x) for x in (va, vi, da)) or min(vi, da) < -tol or va <= 0:
+        raise NoSolidError(f"the solid's boolean cells with the target are not volumes ({vi:.6g}, {da:.6g})",
+                           "inconsistent")
+    if abs(vi + da - va) > tol:
+        raise NoSolidError(f"the solid's own volume ({va:.6g}) disagrees with the boolean kernel's view of it "
+                           f"({vi + da:.6g}): its boundary is not that of a consistent solid", "inconsistent")
+    if vi > min(va, vb) + tol:
+        raise NoSolidError(f"the solid's common volume with the target ({vi:.6g}) exceeds the smaller of the two "
+                           f"volumes ({min(va, vb):.6g})", "inconsistent")
+    db = max(0.0, vb - vi)
+    value = vi / (vi + da + db)
+    if not 0.0 <= value <= 1.0 + IOU_SNAP:
+        raise NoSolidError(f"IoU {value:.6g} is not that of two solids", "inconsistent")
     err = max(abs(x - y) for x, y in zip(abox, rs.bbox))
-    ah, af = through_holes(agent), face_count(agent)
     return Comparison(iou=value, v_agent=va, v_ref=vb, v_common=vi, holes_ok=float(ah == rs.holes),
                       faces_ok=float(af == rs.faces), bbox_ok=float(err <= bbox_tolerance(rs.bbox)),
-                      agent_holes=ah, ref_holes=rs.holes, agent_faces=af, ref_faces=rs.faces, bbox_err_mm=err)
+                      agent_holes=ah, ref_holes=rs.holes, agent_faces=af, ref_faces=rs.faces, bbox_err_mm=err,
+                      v_agent_only=da, v_ref_only=db)
 
 
 # ----------------------------------------------------------------------------- meshes for pictures

@@ -5,14 +5,19 @@ with the code on stdin, inside the bubblewrap sandbox (the venv and this directo
 mounts). It:
   1. imports cadquery, compiles and executes the code with `cq` predefined and the code's own
      stdout/stderr captured (capped);
-  2. takes the variable `result` (a Workplane, Shape or list of them), fuses its solids, and
-     measures it with geometry.summarize (volume, bounding box, faces, through-holes, validity);
-  3. writes the solid as BREP text to OUT_PATH (the host reads it back with `read_artifact`, as
-     data, and the trusted grader loads it in its own process) and prints one report line:
-     REPORT_MARKER + JSON.
+  2. takes the variable `result` (a Workplane, Shape or list of them), checks each solid and fuses
+     them (geometry.to_shape: the grader's own checks, so an inside-out or open solid is reported
+     here rather than silently scoring 0), and measures it with geometry.summarize (volume,
+     bounding box, faces, through-holes, validity);
+  3. exports the solid as BREP text and runs the grader's static scan on it (brep.scan: too many
+     solids or faces is reported here too), writes it to OUT_PATH (the host reads it back with
+     `read_artifact`, as data, and the trusted grader checks and loads it in its own process) and
+     prints one report line: REPORT_MARKER + JSON.
 It never sees the target: nothing here compares with a reference. Time and memory limits are the
-sandbox's (a hung kernel is killed by the wall clock, a memory bomb by RLIMIT_AS / the cgroup);
-whatever this script prints is untrusted by the host beyond being shown back to the agent.
+sandbox's (a hung kernel is killed by the wall clock, a memory bomb by RLIMIT_AS / the cgroup).
+The agent's code runs in this process and can replace any of it, print a forged report or write
+any file: whatever this script prints or writes is untrusted by the host beyond being shown back
+to the agent; the grader re-checks the file from scratch.
 """
 from __future__ import annotations
 
@@ -66,8 +71,9 @@ def run(code: str, out_path: str) -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
+    import brep  # noqa: E402 - next to this file, importable once `here` is on the path
     import cadquery as cq
-    import geometry  # noqa: E402 - next to this file, importable once `here` is on the path
+    import geometry  # noqa: E402
 
     # Register the source so tracebacks show the offending lines.
     linecache.cache[CODE_FILENAME] = (len(code), None, code.splitlines(True), CODE_FILENAME)
@@ -101,10 +107,15 @@ def run(code: str, out_path: str) -> dict:
     if summary.volume <= 0:
         report["error"] = f"`result` has volume {summary.volume:.6g} (not positive): it is not a closed, outward-facing solid"
         return report
+    data = geometry.export_brep(shape)
+    try:
+        brep.scan(data)
+    except brep.BrepRejected as e:
+        report["error"] = f"the grader would refuse this solid: {e}"
+        return report
     report["ok"] = True
     if out_path == "-":  # run_cad: measure only, nothing to hand to the grader
         return report
-    data = geometry.export_brep(shape)
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     tmp = out_path + ".part"
     with open(tmp, "wb") as f:

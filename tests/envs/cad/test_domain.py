@@ -2,11 +2,13 @@
 checker passes; every family's reference and alternative construction are graded 1 by the workers;
 the same part built differently scores 1 through the tools, a hole-less part clearly less; code that
 loops forever or allocates without bound is killed within its budget and scores 0; a forged report
-or a planted symlink gets nothing; `run_cad` reports on the agent's own solid only; a grading worker
-that overruns is killed and replaced."""
+or a planted symlink gets nothing; `run_cad` reports on the agent's own solid only; a caller waiting
+for a busy pool gives up at its deadline; a grading worker that overruns is killed and replaced in
+the background. Attacks on the grader itself: test_adversarial.py."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -114,13 +116,27 @@ def test_grading_worker_overrun_is_killed_and_replaced():
         good = brep_of(ref)
         assert pool.grade(ref, good).comparison.score == 1.0
         (pid,) = pool.pids()
+        # While the only worker is busy, another caller waits until its own deadline, then gets an error.
+        slow_ref = "import time\ntime.sleep(4)\n" + ref
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            busy = ex.submit(pool.grade, slow_ref, good)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            with pytest.raises(CadWorkerError, match="no CAD worker became free"):
+                pool.grade(ref, good, timeout_s=1.0)
+            assert time.monotonic() - t0 < 3.0
+            assert busy.result().comparison.score == 1.0
         t0 = time.monotonic()
         with pytest.raises(CadWorkerError, match="exceeded"):
             pool.grade("while True:\n    pass\n", good, timeout_s=2.0)
         assert time.monotonic() - t0 < 6.0
-        assert pool.pids() == []
-        assert pool.grade(ref, good).comparison.score == 1.0  # a fresh worker took over
-        assert pool.pids() != [pid]
+        assert pid not in pool.pids()
+        # A replacement starts in the background, before anyone asks for one.
+        deadline = time.monotonic() + 120
+        while not pool.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pool.pids() and pool.pids() != [pid]
+        assert pool.grade(ref, good).comparison.score == 1.0
     finally:
         pool.close()
 

@@ -1,8 +1,10 @@
 """cad-v0 geometry and families, in-process (no sandbox): every family's reference and alternative
 constructions give the same solid (score 1), with the volume and bounding box written from the
 family's formula, and the through-hole count it declares; the Euler-Poincare genus on hand-made
-solids; IoU against the box-overlap formula; and wrong parts (shifted, mis-scaled, hole-less, too
-thick) scoring clearly lower, with the numbers."""
+solids; IoU against the box-overlap formula; wrong parts (shifted, mis-scaled, hole-less, too
+thick) scoring clearly lower, with the numbers; and solids that misstate their own volume (inside-out,
+open, self-contradicting, huge tolerances, far away) refused as invalid instead of scored, with an
+IoU above 1 never rounded to a full score."""
 from __future__ import annotations
 
 import math
@@ -193,3 +195,122 @@ def test_overlapping_solids_are_fused_not_double_counted():
     s = G.to_shape([a, b])
     assert s.Volume() == pytest.approx(1500.0, rel=1e-9)
     assert G.summarize(s).faces == 6  # the fused block is one box after same-domain merging
+
+
+# --- solids that misstate their volume --------------------------------------------------------------
+def inside_out(solid):
+    return cq.Solid(solid.wrapped.Reversed())
+
+
+def tori_exploit(name: str, p: dict, frac: float) -> list:
+    """The reported exploit: the part's slab at `frac` of its thickness, no holes, plus four reversed
+    (inside-out) tori inside the bounding box, one per hole position (so the genus matches)."""
+    if name == "plate_holes":
+        slab = cq.Solid.makeBox(p["L"], p["W"], p["T"] * frac, cq.Vector(-p["L"] / 2, -p["W"] / 2, 0))
+        xs, ys, top = p["L"] / 2 - p["e"], p["W"] / 2 - p["e"], p["T"]
+        spots = [(xs, ys), (-xs, ys), (xs, -ys), (-xs, -ys)]
+    else:  # washer: a disc without its hole
+        slab = cq.Solid.makeCylinder(p["OD"] / 2, p["T"] * frac)
+        spots, top = [(0.0, 0.0)], p["T"]
+    r = 0.2 * min(top, 2.0)
+    tori = [inside_out(cq.Solid.makeTorus(3 * r, r, cq.Vector(x, y, top - r), cq.Vector(0, 0, 1))) for x, y in spots]
+    return [slab, *tori]
+
+
+def compound(shapes):
+    from OCP.BRep import BRep_Builder
+    from OCP.TopoDS import TopoDS_Compound
+
+    b = BRep_Builder()
+    c = TopoDS_Compound()
+    b.MakeCompound(c)
+    for s in shapes:
+        b.Add(c, s.wrapped)
+    return cq.Shape.cast(c)
+
+
+@pytest.mark.parametrize("name", ["plate_holes", "washer"])
+def test_inside_out_tori_exploit_is_invalid(name):
+    fam = FAMILIES[name]
+    p = sample_params(name, k=1, seed=4)[0]
+    ref = build(fam.reference(p))
+    rs = G.summarize(ref)
+    for frac in (0.5, 2 / 3):
+        parts = tori_exploit(name, p, frac)
+        # The root cause: a reversed solid's volume is negative, and the boolean kernel takes it as the
+        # complement of its interior, so V(A & B) still counts all of the target: IoU > 1 by the old formula.
+        fused = parts[0].fuse(*parts[1:])
+        va, vi = G.volume(fused), G.common_volume(fused, ref)
+        if name == "plate_holes" or va > 0:  # the old grader refused only a non-positive fused volume
+            assert vi / (va + rs.volume - vi) > 1.0 + 1e-3
+        # Each solid is checked before any fuse: refused, whichever way the file holds the solids.
+        for shape in (compound(parts), fused):
+            with pytest.raises(G.NoSolidError, match="inside-out") as e:
+                G.load_submission(G.export_brep(shape))
+            assert e.value.code == "solid"
+        # And the comparison alone, given the fused shape without those checks, refuses it too.
+        with pytest.raises(G.NoSolidError) as e:
+            G.compare(fused, ref, rs)
+        assert e.value.code == "inconsistent"
+
+
+def test_score_never_rounds_an_iou_above_one():
+    base = dict(v_agent=100.0, v_ref=100.0, v_common=100.0, holes_ok=1.0, faces_ok=1.0, bbox_ok=1.0,
+                agent_holes=0, ref_holes=0, agent_faces=6, ref_faces=6, bbox_err_mm=0.0, v_agent_only=0.0,
+                v_ref_only=0.0)
+    assert G.Comparison(iou=1.0 - 1e-9, **base).score == 1.0
+    assert G.Comparison(iou=1.0 + 1e-9, **base).score == 1.0  # kernel round-off either side of 1
+    for bad in (1.33, 1.9, 1.0 + 1e-3, float("nan"), -0.1):
+        assert G.Comparison(iou=bad, **base).score == 0.0
+    G.Comparison(iou=1.0, **base).check()
+    forged = [dict(iou=1.5), dict(iou=1.0, v_common=150.0), dict(iou=1.0, v_agent=-5.0),
+              dict(iou=0.5, v_agent_only=100.0), dict(iou=1.0, holes_ok=2.0), dict(iou=1.0, v_ref=float("inf"))]
+    for f in forged:
+        with pytest.raises(ValueError):
+            G.Comparison(**{**base, **f}).check()
+
+
+def test_solids_that_misstate_themselves_are_refused():
+    box = cq.Solid.makeBox(10, 10, 10)
+    from OCP.BRep import BRep_Builder
+    from OCP.TopoDS import TopoDS_Shell, TopoDS_Solid
+
+    b = BRep_Builder()
+    open_shell = TopoDS_Shell()
+    b.MakeShell(open_shell)
+    for f in box.Faces()[:5]:  # a box missing its sixth face
+        b.Add(open_shell, f.wrapped)
+    open_solid = TopoDS_Solid()
+    b.MakeSolid(open_solid)
+    b.Add(open_solid, open_shell)
+    # A "void" shell outside the outer one: its volume subtracts from the box's.
+    void_out = TopoDS_Solid()
+    b.MakeSolid(void_out)
+    b.Add(void_out, box.Shells()[0].wrapped)
+    b.Add(void_out, cq.Solid.makeBox(5, 5, 5, cq.Vector(20, 0, 0)).Shells()[0].wrapped.Reversed())
+    fuzzy = cq.Solid.makeBox(10, 10, 10)
+    b.UpdateVertex(fuzzy.Vertices()[0].wrapped, 2.0)  # a 2 mm vertex tolerance makes booleans fuzzy
+    mirror = cq.Matrix([[-1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]])
+    cases = {
+        "validity": cq.Solid(open_solid),
+        "validity ": cq.Solid(void_out),
+        "tolerance": fuzzy,
+        "working volume": cq.Solid.makeBox(10, 10, 10, cq.Vector(5e4, 0, 0)),
+        "inside-out": inside_out(box),
+    }
+    for why, solid in cases.items():
+        with pytest.raises(G.NoSolidError, match=why.strip()):
+            G.to_shape(solid)
+    # A mirrored copy is fine (BRepBuilderAPI_Transform re-orients it); only inside-out data is refused.
+    assert G.to_shape(box.transformGeometry(mirror)).Volume() == pytest.approx(1000.0)
+
+
+def test_hardened_grading_path_scores_every_family_one():
+    for name, fam in FAMILIES.items():
+        p = sample_params(name, k=1, seed=7)[0]
+        ref = build(fam.reference(p))
+        agent = G.load_submission(G.export_brep(build(fam.alternative(p))))
+        c = G.compare(agent, ref, G.summarize(ref))
+        c.check()
+        assert c.score == 1.0, (name, c)
+        assert c.v_agent_only < 1e-6 * c.v_ref and c.v_ref_only < 1e-6 * c.v_ref
