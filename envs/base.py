@@ -10,8 +10,12 @@ Two layers, so that budgets cannot depend on each domain getting them right:
   a head + tail marker, argument size caps) and turns malformed model output into error messages
   the model reads, so the episode goes on:
     * an assistant message with no tool call      -> a `user` message saying a call is needed
-      (there is no tool_call_id to answer; domains with `text_ends_episode` finish instead)
+      (there is no tool_call_id to answer; domains with `text_ends_episode` finish instead,
+      unless the reply held calls that could not be parsed)
+    * calls the caller's parser could not parse    -> one `user` message listing them, after the
+      (`step(..., parse_errors=...)`)                 tool messages (each counts as a malformed call)
     * invalid JSON / non-object / oversize args    -> `tool` message answering that call
+      (also over-deep nesting, over-long numbers)
     * unknown tool, missing / unexpected / mistyped arguments -> `tool` message
     * more than `max_calls_per_turn` calls         -> the extra calls are answered "skipped"
     * a tool that raises or overruns its timeout   -> `tool` message with the error
@@ -19,7 +23,9 @@ Two layers, so that budgets cannot depend on each domain getting them right:
 
 What raises: only API misuse by the caller (`EnvUsageError`: step before reset, reset after close)
 and set-up failures the episode cannot run without (`EnvSetupError`, e.g. the sandbox is refused
-by the kernel: we never fall back to running unsandboxed). Nothing the model writes raises, and
+by the kernel: we never fall back to running unsandboxed). Nothing the model writes raises (any
+`Message` with any strings in it; tests/envs/test_tools_fuzz.py fuzzes this with hypothesis), every
+observation is valid UTF-8 and clipped to `max_obs_chars`, and
 `grade()` never raises: a grader exception or timeout becomes `Grade(reward=rubric.error_reward,
 error=..., metrics={"grade_error": 1})`.
 
@@ -111,8 +117,12 @@ class Env(abc.ABC):
         """Start an episode; returns the prompt messages and the OpenAI tool schemas."""
 
     @abc.abstractmethod
-    async def step(self, assistant: Message) -> StepResult:
-        """Apply one assistant message; returns the tool/user messages to append and the episode state."""
+    async def step(self, assistant: Message, *, parse_errors: Sequence[str] = ()) -> StepResult:
+        """Apply one assistant message; returns the tool/user messages to append and the episode state.
+
+        parse_errors: one line per tool call the caller's parser could not turn into a `ToolCall`
+        (the chat codec's `ParsedAssistant.call_errors`); they are answered and counted as malformed calls.
+        """
 
     @abc.abstractmethod
     async def grade(self) -> Grade:
@@ -265,7 +275,7 @@ class ToolEnv(Env):
     def _time_left(self, ep: _Episode) -> float:
         return ep.limits.episode_timeout_s - (time.monotonic() - ep.started)
 
-    async def step(self, assistant: Message) -> StepResult:
+    async def step(self, assistant: Message, *, parse_errors: Sequence[str] = ()) -> StepResult:
         ep = self._ep
         if ep is None:
             raise EnvUsageError("step() before reset()")
@@ -274,17 +284,26 @@ class ToolEnv(Env):
                               info={"error": "the episode is over; call grade()", **self._info(ep)})
         if not isinstance(assistant, Message):
             raise EnvUsageError(f"step() needs an envs.Message, got {type(assistant).__name__} (use Message.from_openai)")
+        unparsed = [_text(e) for e in ([parse_errors] if isinstance(parse_errors, str) else parse_errors or ())]
         ep.turns += 1
         ep.transcript.append(assistant)
         out: list[Message] = []
-        if not assistant.tool_calls:
+        calls = assistant.tool_calls if isinstance(assistant.tool_calls, (list, tuple)) else ()
+        if not calls and not unparsed:
             if self.domain.text_ends_episode:
                 ep.terminated = True
             else:
                 ep.malformed_calls += 1
                 out.append(Message(role="user", content=self._no_call_text()))
-        for i, call in enumerate(assistant.tool_calls):
+        for i, call in enumerate(calls):
             out.append(await self._answer_call(ep, call, i))
+        if unparsed:
+            # After the tool messages: those are matched to the well-formed calls by position.
+            ep.tool_calls += len(unparsed)
+            ep.malformed_calls += len(unparsed)
+            text, clipped = clip_observation(self._unparsed_text(unparsed), ep.limits.max_obs_chars)
+            ep.obs_clipped += clipped
+            out.append(Message(role="user", content=_valid_utf8(text)))
         if not ep.terminated:
             if ep.turns >= ep.limits.max_turns:
                 ep.truncated, ep.truncation_reason = True, "max_turns"
@@ -292,6 +311,13 @@ class ToolEnv(Env):
                 ep.truncated, ep.truncation_reason = True, "episode_timeout"
         ep.transcript.extend(out)
         return StepResult(messages=tuple(out), terminated=ep.terminated, truncated=ep.truncated, info=self._info(ep))
+
+    def _unparsed_text(self, lines: Sequence[str]) -> str:
+        shown = [f"- {line[:300]}" for line in lines[: self.max_calls_per_turn]]
+        if len(lines) > len(shown):
+            shown.append(f"- ... and {len(lines) - len(shown)} more")
+        return (f"Error: {len(lines)} tool call(s) in your reply could not be parsed and were not run:\n"
+                + "\n".join(shown) + "\nEach call must be one JSON object with a \"name\" and an \"arguments\" object.")
 
     def _no_call_text(self) -> str:
         names = list(self._tools)
@@ -301,26 +327,36 @@ class ToolEnv(Env):
     async def _answer_call(self, ep: _Episode, call: ToolCall, index: int) -> Message:
         ep.tool_calls += 1
 
+        # A ToolCall built by other code than the codec may carry anything; read it defensively.
+        name = getattr(call, "name", None)
+        name = name if isinstance(name, str) else ""
+        call_id = getattr(call, "id", None)
+        call_id = call_id if isinstance(call_id, str) else None
+
         def reply(text: str) -> Message:
             text, clipped = clip_observation(text, ep.limits.max_obs_chars)
             ep.obs_clipped += clipped
-            return Message(role="tool", content=text, tool_call_id=call.id, name=call.name or None)
+            return Message(role="tool", content=_valid_utf8(text), tool_call_id=call_id, name=name or None)
 
         if ep.terminated:
             return reply("Not executed: the episode already ended in this turn.")
         if index >= self.max_calls_per_turn:
             ep.malformed_calls += 1
             return reply(f"Error: skipped; at most {self.max_calls_per_turn} tool calls are executed per turn.")
-        entry = self._tools.get(call.name)
+        entry = self._tools.get(name)
         if entry is None:
             ep.malformed_calls += 1
-            return reply(f"Error: unknown tool {call.name[:100]!r}; available tools: {', '.join(self._tools)}.")
+            return reply(f"Error: unknown tool {name[:100]!r}; available tools: {', '.join(self._tools)}.")
         spec, fn = entry
         try:
-            kwargs = spec.parse_arguments(call.arguments, ep.limits.max_arg_chars)
+            kwargs = spec.parse_arguments(getattr(call, "arguments", None), ep.limits.max_arg_chars)
         except ToolArgError as e:
             ep.malformed_calls += 1
             return reply(f"Error: {e}")
+        except Exception as e:  # noqa: BLE001 - a validator bug must not end the episode; logged loudly
+            ep.malformed_calls += 1
+            log.warning("validating arguments of %s raised %s", spec.name, traceback.format_exc())
+            return reply(f"Error: the arguments of '{spec.name}' could not be validated ({type(e).__name__}).")
         left = self._time_left(ep)
         if left <= 0:
             return reply("Not executed: the episode's time budget is exhausted.")
@@ -342,15 +378,13 @@ class ToolEnv(Env):
             ep.tool_errors += 1
             log.debug("tool %s raised: %s", spec.name, traceback.format_exc())
             return reply(f"Error: tool '{spec.name}' failed: {type(e).__name__}: {e}")
+        try:
+            text = _result_text(result)
+        except Exception as e:  # noqa: BLE001 - an unprintable result is the tool's failure, reported like one
+            ep.tool_errors += 1
+            return reply(f"Error: tool '{spec.name}' returned a result that cannot be shown: {type(e).__name__}")
         if isinstance(result, ToolOutput):
-            ep.tool_timeouts += result.timed_out
-            text = result.content
-        elif isinstance(result, str):
-            text = result
-        elif result is None:
-            text = ""
-        else:
-            text = json.dumps(result, default=str)
+            ep.tool_timeouts += bool(result.timed_out)
         if spec.ends_episode:
             ep.terminated = True
         return reply(text)
@@ -419,6 +453,30 @@ class ToolEnv(Env):
                 self.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _text(x: Any) -> str:
+    return x if isinstance(x, str) else repr(x)
+
+
+def _valid_utf8(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (lone surrogates, which JSON's \\ud800 escapes
+    produce) replaced by "?": the tokenizer refuses such strings, and the observation must reach it."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _result_text(result: Any) -> str:
+    if isinstance(result, ToolOutput):
+        return result.content if isinstance(result.content, str) else str(result.content)
+    if isinstance(result, str):
+        return result
+    if result is None:
+        return ""
+    return json.dumps(result, default=str)
 
 
 def messages_for_calls(invocations: Sequence[ToolInvocation], start: int = 0) -> list[Message]:

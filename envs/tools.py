@@ -19,9 +19,15 @@ A union of primitives becomes a JSON `type` list, any other union an `anyOf`, an
 Validation accepts exactly what the schema allows, with no coercion between JSON types: booleans
 are not integers, `"3"` is a string (refused for an `int` parameter, with a hint to drop the
 quotes; a `str | int` parameter receives the string and the tool decides what a numeric string
-means), and JSON integers widen to `float` parameters (JSON Schema's "number" includes them).
+means), and JSON integers widen to `float` parameters (JSON Schema's "number" includes them) unless
+they are too large for a float (refused, where JSON Schema would accept them).
 A union tries the arms that take the value's JSON type as it is first, so `3` stays an int for
 `int | float`. Errors name the argument (`tool.arg[2]`) and the allowed types.
+
+`ToolSpec.parse_arguments` raises `ToolArgError` and nothing else, whatever the text: arguments longer
+than the env's `max_arg_chars`, nested deeper than `MAX_ARG_DEPTH`, or holding an integer too long for
+Python to decode are malformed calls like any other invalid JSON (decoding goes through
+`jointrl.safejson`).
 """
 from __future__ import annotations
 
@@ -29,12 +35,19 @@ import inspect
 import json
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, Union, get_args, get_origin
 
+from jointrl import safejson
 from jointrl.records import Task
+
+# Deepest nesting accepted in a tool's arguments object (the object itself is level 1). Schemas here
+# nest a few levels (`list[list[str]]` inside the object is 3); the cap keeps decoding and validation
+# shallow whatever the model writes.
+MAX_ARG_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -75,20 +88,25 @@ class ToolSpec:
                                                  "parameters": json.loads(json.dumps(self.parameters))}}
 
     def parse_arguments(self, raw: str, max_chars: int) -> dict[str, Any]:
-        """Raw JSON text from the model -> validated keyword arguments, or ToolArgError."""
+        """Raw JSON text from the model -> validated keyword arguments, or ToolArgError (nothing else)."""
+        if not isinstance(raw, str):
+            raise ToolArgError(f"arguments of '{self.name}' must be JSON text, got {type(raw).__name__}")
         if len(raw) > max_chars:
             raise ToolArgError(f"arguments of '{self.name}' are {len(raw)} characters; the limit is {max_chars}")
         text = raw.strip() or "{}"  # an empty string is how some parsers write "no arguments"
         try:
-            args = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ToolArgError(f"arguments of '{self.name}' are not valid JSON ({e.msg} at position {e.pos})") from None
+            # Bounded decoding: over-deep nesting and over-long integers are JSON errors here, not
+            # RecursionError / ValueError escaping into the episode.
+            args = safejson.loads(text, max_depth=MAX_ARG_DEPTH)
+        except safejson.JSONInputError as e:
+            raise ToolArgError(f"arguments of '{self.name}' are not valid JSON ({e})") from None
         if not isinstance(args, dict):
             raise ToolArgError(f"arguments of '{self.name}' must be a JSON object, got {_json_type(args)}")
         unexpected = sorted(set(args) - set(self.annotations))
         if unexpected:
             allowed = ", ".join(self.annotations) or "none"
-            raise ToolArgError(f"'{self.name}' got unexpected argument(s) {', '.join(unexpected)}; it takes: {allowed}")
+            shown = ", ".join(_short(k) for k in unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+            raise ToolArgError(f"'{self.name}' got unexpected argument(s) {shown}; it takes: {allowed}")
         missing = [p for p in self.required if p not in args]
         if missing:
             raise ToolArgError(f"'{self.name}' is missing required argument(s): {', '.join(missing)}")
@@ -182,6 +200,7 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
 
 
 _PRIMS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_FLOAT_MAX = int(sys.float_info.max)
 _NONE = type(None)
 
 
@@ -293,8 +312,17 @@ def _kinds(tp: Any) -> set[str]:
 
 def _got(v: Any) -> str:
     """How a rejected value is shown to the model: its JSON type, and the value itself when short."""
+    if isinstance(v, (list, dict)) or (isinstance(v, str) and len(v) > 40):
+        return _json_type(v)
     text = json.dumps(v)
-    return f"{_json_type(v)} {text}" if len(text) <= 40 and not isinstance(v, (list, dict)) else _json_type(v)
+    return f"{_json_type(v)} {text}" if len(text) <= 40 else _json_type(v)
+
+
+def _short(key: str, n: int = 40) -> str:
+    """An argument name as the error shows it: as is when it looks like a name, else JSON-quoted and cut."""
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) and len(key) <= n:
+        return key
+    return json.dumps(key[:n] + ("..." if len(key) > n else ""))
 
 
 def _check_value(where: str, v: Any, tp: Any) -> Any:
@@ -339,12 +367,18 @@ def _check_value(where: str, v: Any, tp: Any) -> Any:
         _, vt = get_args(tp)
         return {k: _check_value(f"{where}.{k}", x, vt) for k, x in v.items()}
     expected = _PRIMS[tp]
-    ok = {
-        "string": isinstance(v, str),
-        "integer": isinstance(v, int) and not isinstance(v, bool),
-        "number": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-        "boolean": isinstance(v, bool),
-    }[expected]
+    if expected == "string":
+        ok = isinstance(v, str)
+    elif expected == "integer":
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    elif expected == "number":
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok and isinstance(v, int) and not -_FLOAT_MAX <= v <= _FLOAT_MAX:
+            # A JSON number, but not one a float can hold (math.isfinite would raise OverflowError).
+            raise ToolArgError(f"argument '{where}' is out of range for a number ({len(str(abs(v)))} digits)")
+        ok = ok and math.isfinite(v)
+    else:
+        ok = isinstance(v, bool)
     if not ok:
         hint = ""
         if expected in ("integer", "number") and isinstance(v, str) and re.fullmatch(r"\s*-?\d+(\.\d+)?\s*", v):

@@ -81,6 +81,11 @@ YEAR_FIELD = {t: next(f.name for f in fs if f.kind == "year") for t, fs in SCHEM
 FIELD = {(t, f.name): f for t, fs in SCHEMA.items() for f in fs}
 TYPE_SHARE = {"person": 0.38, "organisation": 0.13, "city": 0.12, "country": 0.012, "work": 0.25, "event": 0.108}
 TWIN_SHARE = 0.08  # near-miss distractors: same name and type, different year and facts
+# No answer may make up more than this share of the questions asking for its field (at least one
+# question each). A field with a small vocabulary (5 continents, 10 currencies) therefore gets few
+# questions: answering its most common value without browsing must not pay (docs/browse.md,
+# "No-browsing baseline"; envs/browse/baseline.py measures it).
+MAX_ANSWER_SHARE = 0.01
 INJECT_SHARE = 0.02  # pages carrying a prompt injection (plus the last page of every 8th question)
 
 SYLLABLES = ("al", "bar", "cor", "dan", "el", "fen", "gar", "hal", "is", "jor", "kel", "lin", "mar", "nor",
@@ -443,6 +448,8 @@ def _questions(ents: list[Entity], num: int, seed: int, rng: random.Random) -> l
         by_name.setdefault(t.name, []).append(t)
     out: list[Question] = []
     seen: set[tuple] = set()
+    per_field: dict[str, int] = {}  # questions so far per answer field (by label: what the question names)
+    per_answer: dict[tuple[str, str], int] = {}  # ... and per (field, normalised answer)
     attempts = 0
     while len(out) < num and attempts < num * 50:
         attempts += 1
@@ -470,7 +477,12 @@ def _questions(ents: list[Entity], num: int, seed: int, rng: random.Random) -> l
         text = f"What is the {af.phrase} of {desc}?"
         if _norm(answer) in _norm(text) or (e.id, tuple(rels), af.name) in seen:
             continue  # the answer must not be given away by the question; no duplicates
+        akey = (af.label, _norm(answer))
+        if per_answer.get(akey, 0) >= max(1, int(MAX_ANSWER_SHARE * per_field.get(af.label, 0))):
+            continue  # this answer already has its share of the field's questions
         seen.add((e.id, tuple(rels), af.name))
+        per_field[af.label] = per_field.get(af.label, 0) + 1
+        per_answer[akey] = per_answer.get(akey, 0) + 1
         kind = {"year": "year", "number": "number", "value": "value", "link": "name"}[af.kind]
         hint = {"year": "a year", "number": "a number", "value": "one word or short phrase", "name": "a name"}[kind]
         # Plausible wrong answers: the same field on same-type entities, near-miss twins first.

@@ -179,13 +179,23 @@ def write_file(root: str, path: str, data: bytes, mode: int = 0o644, *,
         os.close(fd)
 
 
+MAX_WALK_DEPTH = 64  # directory levels below the root that a walk enters
+
+
 def iter_regular_files(root: str, max_files: int) -> Iterator[tuple[str, int, int]]:
-    """Yield (relative path, size, mode) of each regular file under `root`; symlinks are never followed."""
+    """Yield (relative path, size, mode) of each regular file under `root`; symlinks are never followed.
+
+    Directories more than `MAX_WALK_DEPTH` levels down are not entered (their files are not listed):
+    os.fwalk recurses and holds one fd per level, so an agent's 3,000-level tree would otherwise raise
+    RecursionError in the grader and pin a thousand fds of the host process while it walks.
+    """
     count = 0
     # os.fwalk walks with directory fds and, with follow_symlinks=False, never enters a symlinked dir.
     for dirpath, dirnames, filenames, dfd in os.fwalk(root, follow_symlinks=False):
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir != "." and rel_dir.count("/") + 1 >= MAX_WALK_DEPTH:
+            dirnames.clear()  # top-down walk: pruning here keeps fwalk from descending
         for name in sorted(filenames):
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)

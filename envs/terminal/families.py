@@ -283,6 +283,15 @@ class JsonFilter(Family):
         for i, first in enumerate(rng.sample(WORDS, 18)):
             users.append({"name": f"{first}_{i}", "email": f"{first}{i}@example.org", "age": rng.randint(18, 70),
                           "score": rng.randint(0, 100), "visits": rng.randint(0, 50), "active": rng.random() < 0.65})
+        # At least one record passes even with `>`: otherwise the right answer could be an empty
+        # file, and writing nothing would score. The record with the largest value is made active
+        # and strictly above the threshold.
+        top = max(users[1:], key=lambda u: u[key])
+        top["active"] = True
+        if top[key] <= users[0][key]:
+            users[0][key], top[key] = top[key], users[0][key]
+            if top[key] == users[0][key]:
+                top[key] += 1
         thr = users[0][key]  # a value that occurs, so > and >= differ
         users[0]["active"] = True
 
@@ -465,6 +474,7 @@ class Permissions(Family):
 # ----------------------------------------------------------------------------- 10. a shell script
 class ShellScript(Family):
     name = "shell_script"
+    SCRIPT_TIMEOUT_S = 5.0  # per hidden input, in the grading sandbox
 
     def variants(self):
         return list(product((1, 2, 3, 4), ("gt", "lt"), (",", ":", ";")))
@@ -511,7 +521,9 @@ class ShellScript(Family):
         files = {"filter.sh": script}
         for i, t in enumerate(data["tests"]):
             files[f"in{i}.txt"] = t["input"].encode()
-        results = g.run_fresh(files, [["/bin/bash", "filter.sh", f"in{i}.txt"] for i in range(len(data["tests"]))])
+        # A filter over 20 lines takes milliseconds; the cap bounds what a looping script costs the grader.
+        results = g.run_fresh(files, [["/bin/bash", "filter.sh", f"in{i}.txt"] for i in range(len(data["tests"]))],
+                              timeout_s=self.SCRIPT_TIMEOUT_S)
         for r, t in zip(results, data["tests"]):
             if r.timed_out or _lines(r.stdout) != t["expected"]:
                 return 0.0

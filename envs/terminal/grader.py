@@ -46,7 +46,12 @@ class Grader:
             return None
 
     def files(self) -> list[str]:
-        return self.sandbox.list_artifacts()
+        """The agent's regular files, or [] when the work dir is one the sandbox refuses to list (more
+        files than its cap): a degenerate work dir is the agent's failure, not a grading error."""
+        try:
+            return self.sandbox.list_artifacts()
+        except ArtifactError:
+            return []
 
     def stat(self, path: str) -> PathStat | None:
         """Type and permission bits of an agent entry (not followed), or None if missing or refused

@@ -10,6 +10,12 @@ Many episodes run concurrently as asyncio tasks; `BatchingGenerator` gathers the
 requests of all episodes that are waiting into one engine call (vLLM batches them), while other
 episodes are inside `Env.step`, so environment work overlaps generation.
 
+Failures stay inside their episode. A tool call the codec cannot parse (bad JSON, nesting deeper than
+the codec's limit, a number too long to decode) is answered by the env as a malformed call and the
+episode goes on. Any other exception inside an episode makes it an errored episode (loss mask 0, the
+rubric's error reward, `grade_error` set, traceback logged) and the other episodes and the step go on;
+an engine failure, or every episode of a rollout erroring, ends the rollout.
+
 What this module does not do: own an engine (it gets a `generate_batch` callable), grade beyond
 calling `Env.grade`, or compute advantages.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+import traceback
 
 import numpy as np
 from dataclasses import dataclass, field
@@ -42,7 +49,9 @@ class ChatCodec(Protocol):
 
     def render_turn_suffix(self, new_messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
 
-    def parse_assistant(self, text: str, turn: int = 0) -> Any: ...  # -> object with .message: Message and .errors: tuple[str, ...]
+    # -> object with .message: Message, .errors: tuple[str, ...] and, optionally, .call_errors: tuple[str, ...]
+    # (the tool calls it dropped; they are answered as malformed calls)
+    def parse_assistant(self, text: str, turn: int = 0) -> Any: ...
 
 
 class Tokenizer(Protocol):
@@ -206,109 +215,186 @@ def _thinking_budget(settings: LoopSettings, tier: str) -> int | None:
     return None if b is None or b < 0 else int(b)
 
 
+class EngineFailure(RuntimeError):
+    """The engine failed a generation request. Not one episode's fault: it ends the rollout (the
+    dispatcher has already restarted and retried the worker by then), instead of erroring every episode."""
+
+
+@dataclass
+class _Progress:
+    """What an episode has built so far; an errored episode keeps its history for inspection."""
+
+    tokens: list[int] = field(default_factory=list)
+    history: list[Message] = field(default_factory=list)
+    turns: int = 0
+
+
+def _parse(codec: ChatCodec, text: str, turn: int) -> tuple[Message, tuple[str, ...], int]:
+    """(message for the env, unparsed-call errors, error count) of one generated turn; never raises.
+
+    A codec that raises anyway (a bug, or a codec without model/chat.py's limits) must not end the
+    episode: the whole turn then counts as one call that could not be parsed.
+    """
+    try:
+        parsed = codec.parse_assistant(text, turn=turn)
+        return parsed.message, tuple(getattr(parsed, "call_errors", ())), len(parsed.errors)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("codec.parse_assistant raised on turn %d: %s", turn, traceback.format_exc())
+        line = f"the reply could not be parsed ({type(e).__name__})"
+        return Message(role="assistant", content=text), (line,), 1
+
+
+def _error_reward(env: Any) -> float:
+    """The reward an errored episode gets: its rubric's fixed `error_reward` where the env exposes one."""
+    try:
+        return float(env.domain.rubric.error_reward)
+    except Exception:  # noqa: BLE001 - an env without a rubric: 0, the rubric default
+        return 0.0
+
+
+def _errored_episode(task: Task, progress: _Progress, error: BaseException, *, reward: float, group_id: str,
+                     policy_version: int, end_token_id: int, t_start: float) -> Episode:
+    """An episode that raised: its tokens so far with loss mask 0 (nothing of it is trained on), the
+    fixed error reward, and `grade_error` naming the exception (the traceback is in the log)."""
+    ids = tuple(progress.tokens) or (end_token_id,)  # the trainer's collate needs at least one token
+    reason = f"episode raised {type(error).__name__}: {str(error)[:500]}"
+    return Episode(task_id=task.id, domain=task.domain, group_id=group_id, token_ids=ids, loss_mask=(0,) * len(ids),
+                   rollout_logprobs=(0.0,) * len(ids), messages=tuple(progress.history), reward=reward,
+                   metrics={"episode_error": 1.0, "grade_error": 1.0, "turns": float(progress.turns)},
+                   terminated=False, truncated=False, num_turns=progress.turns, policy_version=policy_version,
+                   grade_error=reason, routed_experts=None, wall_s=time.monotonic() - t_start)
+
+
 async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec,
                       settings: LoopSettings, *, group_id: str, policy_version: int = 0, seed: int | None = None) -> Episode:
     """Run one episode to its end and grade it. Never raises for what the model does.
 
     `seed`: the episode's seed (`episode_seed(...)`); turn t's request uses `turn_seed(seed, t)` when
     `settings.per_request_seed` is on. None: unseeded requests.
+
+    Failures: a tool call the codec cannot parse is answered as a malformed call (`env.step(...,
+    parse_errors=)`), and the episode goes on. Any other exception inside the episode (the env, the
+    tokenizer, a bug) returns an errored episode (`_errored_episode`) with its traceback logged at
+    ERROR. Only an engine failure (`EngineFailure`) and cancellation propagate.
     """
     t_start = time.monotonic()
     gen.episode_started()
+    progress = _Progress()
     try:
-        messages, tools = await env.reset(task)
-        history: list[Message] = list(messages)
-        prompt_text = codec.render(history, tools, add_generation_prompt=True)
-        tokens: list[int] = list(tok.encode(prompt_text, add_special_tokens=False))
-        mask: list[int] = [0] * len(tokens)
-        lps: list[float] = [0.0] * len(tokens)
-        terminated = truncated = False
-        turns = 0
-        route_chunks: list[np.ndarray] = []  # R3: the engine's expert choices, accumulated turn by turn
-        n_routed = 0
-        routes_ok = True
-        max_turns = settings.max_turns or task.limits.max_turns
-        budget = _thinking_budget(settings, task.thinking)
-        n_parse_errors = 0
-        gen_s = tool_s = 0.0
-        while True:
-            room = settings.max_model_len - len(tokens)
-            if room < settings.min_room:
-                truncated = True
-                break
-            if turns >= max_turns:
-                truncated = True
-                break
-            req = GenerateRequest(
-                prompt_token_ids=tuple(tokens), max_tokens=min(settings.max_new_tokens_per_turn, room - 1),
-                temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=(settings.end_token_id,),
-                thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else turn_seed(seed, turns),
-                routed_experts_prompt_start=n_routed)
-            t_gen = time.monotonic()
-            res = await gen.generate(req)
-            gen_s += time.monotonic() - t_gen
-            turns += 1
-            out = list(res.token_ids)
-            tokens += out
-            mask += [1] * len(out)
-            lps += list(res.logprobs)
-            if res.routed_experts is not None and routes_ok:
-                r = np.asarray(res.routed_experts)
-                route_chunks.append(r)
-                n_routed += int(r.shape[0])
-            else:
-                routes_ok = False
-            if not out or out[-1] != settings.end_token_id:
-                # The engine stopped without closing the turn (length cap): close it ourselves, not trained on.
-                tokens.append(settings.end_token_id)
-                mask.append(0)
-                lps.append(0.0)
-            text = tok.decode(out, skip_special_tokens=False)
-            parsed = codec.parse_assistant(text, turn=turns - 1)
-            n_parse_errors += len(parsed.errors)
-            t_tool = time.monotonic()
-            step = await env.step(parsed.message)
-            tool_s += time.monotonic() - t_tool
-            history.append(parsed.message)
-            if step.terminated or step.truncated:
-                terminated, truncated = step.terminated, step.truncated
-                break
-            new_msgs = [_defuse(m, settings.special_strings) for m in step.messages]
-            history.extend(new_msgs)
-            # Append only the new turns' tokens: earlier tokens are never re-tokenised.
-            new_ids = tok.encode(codec.render_turn_suffix(new_msgs), add_special_tokens=False)
-            if len(tokens) + len(new_ids) + settings.min_room > settings.max_model_len:
-                truncated = True
-                break
-            tokens += new_ids
-            mask += [0] * len(new_ids)
-            lps += [0.0] * len(new_ids)
-        t_grade = time.monotonic()
-        grade = await env.grade()
-        grade_s = time.monotonic() - t_grade
-        routes = None
-        if routes_ok and route_chunks:
-            r = np.concatenate(route_chunks, axis=0)
-            # The last token(s) of the episode were never fed through the engine; their routes do not
-            # affect any trained logprob, so repeat the last row to keep shapes aligned.
-            if 0 < r.shape[0] < len(tokens):
-                r = np.concatenate([r, np.repeat(r[-1:], len(tokens) - r.shape[0], axis=0)], axis=0)
-            routes = r[: len(tokens)]
-        metrics = dict(grade.metrics)
-        metrics.update({"parse_errors": float(n_parse_errors), "grade_error": float(grade.error is not None),
-                        # where the episode's wall time went (the step-time breakdown sums these)
-                        "time_generate_s": gen_s, "time_tools_s": tool_s, "time_grade_s": grade_s})
-        return Episode(
-            task_id=task.id, domain=task.domain, group_id=group_id, token_ids=tuple(tokens), loss_mask=tuple(mask),
-            rollout_logprobs=tuple(lps), messages=tuple(history), reward=float(grade.reward), metrics=metrics,
-            terminated=terminated, truncated=truncated, num_turns=turns, policy_version=policy_version,
-            grade_error=grade.error, routed_experts=routes, wall_s=time.monotonic() - t_start)
+        return await _episode(env, task, gen, tok, codec, settings, progress, group_id=group_id,
+                              policy_version=policy_version, seed=seed, t_start=t_start)
+    except EngineFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - one episode's failure must not end the step
+        log.error("episode %s (group %s) errored after %d turns:\n%s", task.id, group_id, progress.turns,
+                  traceback.format_exc())
+        return _errored_episode(task, progress, e, reward=_error_reward(env), group_id=group_id,
+                                policy_version=policy_version, end_token_id=settings.end_token_id, t_start=t_start)
     finally:
         gen.episode_finished()
         try:
             env.close()
         except Exception as e:  # noqa: BLE001
             log.warning("env.close() failed for %s: %s", task.id, e)
+
+
+async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec,
+                   settings: LoopSettings, progress: _Progress, *, group_id: str, policy_version: int,
+                   seed: int | None, t_start: float) -> Episode:
+    messages, tools = await env.reset(task)
+    history = progress.history
+    history.extend(messages)
+    prompt_text = codec.render(history, tools, add_generation_prompt=True)
+    tokens = progress.tokens
+    tokens.extend(tok.encode(prompt_text, add_special_tokens=False))
+    mask: list[int] = [0] * len(tokens)
+    lps: list[float] = [0.0] * len(tokens)
+    terminated = truncated = False
+    turns = 0
+    route_chunks: list[np.ndarray] = []  # R3: the engine's expert choices, accumulated turn by turn
+    n_routed = 0
+    routes_ok = True
+    max_turns = settings.max_turns or task.limits.max_turns
+    budget = _thinking_budget(settings, task.thinking)
+    n_parse_errors = 0
+    gen_s = tool_s = 0.0
+    while True:
+        room = settings.max_model_len - len(tokens)
+        if room < settings.min_room:
+            truncated = True
+            break
+        if turns >= max_turns:
+            truncated = True
+            break
+        req = GenerateRequest(
+            prompt_token_ids=tuple(tokens), max_tokens=min(settings.max_new_tokens_per_turn, room - 1),
+            temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=(settings.end_token_id,),
+            thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else turn_seed(seed, turns),
+            routed_experts_prompt_start=n_routed)
+        t_gen = time.monotonic()
+        try:
+            res = await gen.generate(req)
+        except Exception as e:  # noqa: BLE001 - re-raised as the rollout-ending kind, see EngineFailure
+            raise EngineFailure(f"generation failed for episode {task.id}: {type(e).__name__}: {e}") from e
+        gen_s += time.monotonic() - t_gen
+        turns += 1
+        progress.turns = turns
+        out = list(res.token_ids)
+        tokens += out
+        mask += [1] * len(out)
+        lps += list(res.logprobs)
+        if res.routed_experts is not None and routes_ok:
+            r = np.asarray(res.routed_experts)
+            route_chunks.append(r)
+            n_routed += int(r.shape[0])
+        else:
+            routes_ok = False
+        if not out or out[-1] != settings.end_token_id:
+            # The engine stopped without closing the turn (length cap): close it ourselves, not trained on.
+            tokens.append(settings.end_token_id)
+            mask.append(0)
+            lps.append(0.0)
+        text = tok.decode(out, skip_special_tokens=False)
+        message, unparsed, n_errors = _parse(codec, text, turns - 1)
+        n_parse_errors += n_errors
+        t_tool = time.monotonic()
+        step = await (env.step(message, parse_errors=unparsed) if unparsed else env.step(message))
+        tool_s += time.monotonic() - t_tool
+        history.append(message)
+        if step.terminated or step.truncated:
+            terminated, truncated = step.terminated, step.truncated
+            break
+        new_msgs = [_defuse(m, settings.special_strings) for m in step.messages]
+        history.extend(new_msgs)
+        # Append only the new turns' tokens: earlier tokens are never re-tokenised.
+        new_ids = tok.encode(codec.render_turn_suffix(new_msgs), add_special_tokens=False)
+        if len(tokens) + len(new_ids) + settings.min_room > settings.max_model_len:
+            truncated = True
+            break
+        tokens += new_ids
+        mask += [0] * len(new_ids)
+        lps += [0.0] * len(new_ids)
+    t_grade = time.monotonic()
+    grade = await env.grade()
+    grade_s = time.monotonic() - t_grade
+    routes = None
+    if routes_ok and route_chunks:
+        r = np.concatenate(route_chunks, axis=0)
+        # The last token(s) of the episode were never fed through the engine; their routes do not
+        # affect any trained logprob, so repeat the last row to keep shapes aligned.
+        if 0 < r.shape[0] < len(tokens):
+            r = np.concatenate([r, np.repeat(r[-1:], len(tokens) - r.shape[0], axis=0)], axis=0)
+        routes = r[: len(tokens)]
+    metrics = dict(grade.metrics)
+    metrics.update({"parse_errors": float(n_parse_errors), "grade_error": float(grade.error is not None),
+                    "episode_error": 0.0,
+                    # where the episode's wall time went (the step-time breakdown sums these)
+                    "time_generate_s": gen_s, "time_tools_s": tool_s, "time_grade_s": grade_s})
+    return Episode(
+        task_id=task.id, domain=task.domain, group_id=group_id, token_ids=tuple(tokens), loss_mask=tuple(mask),
+        rollout_logprobs=tuple(lps), messages=tuple(history), reward=float(grade.reward), metrics=metrics,
+        terminated=terminated, truncated=truncated, num_turns=turns, policy_version=policy_version,
+        grade_error=grade.error, routed_experts=routes, wall_s=time.monotonic() - t_start)
 
 
 async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[[Task], Any], gen: BatchingGenerator,
@@ -319,16 +405,36 @@ async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[
     `seed` is the rollout's base seed. For training, pass `rollout_seed(run_seed, step)`: the seeds of
     all requests then depend only on (run seed, step, task position, sample index, turn), so a
     resumed run's step k replays an uninterrupted run's step k (docs/rollout.md, "Determinism").
+
+    Failure isolation: an episode that raises (including `make_env`) comes back as an errored episode
+    in its place and the others go on. If every episode errored, the failure is systematic (a broken
+    environment, not one pathological episode) and a RuntimeError ends the rollout; an `EngineFailure`
+    always does.
     """
     sem = asyncio.Semaphore(max_concurrent)
 
     async def one(ti: int, gi: int) -> Episode:
         async with sem:
             task = tasks[ti]
-            return await run_episode(make_env(task), task, gen, tok, codec, settings,
-                                     group_id=f"{task.id}#{policy_version}", policy_version=policy_version,
-                                     seed=episode_seed(seed, ti, gi))
+            group_id = f"{task.id}#{policy_version}"
+            t_start = time.monotonic()
+            try:
+                env = make_env(task)
+            except Exception as e:  # noqa: BLE001 - like any other failure inside one episode
+                log.error("make_env for %s failed:\n%s", task.id, traceback.format_exc())
+                return _errored_episode(task, _Progress(), e, reward=0.0, group_id=group_id, policy_version=policy_version,
+                                        end_token_id=settings.end_token_id, t_start=t_start)
+            return await run_episode(env, task, gen, tok, codec, settings, group_id=group_id,
+                                     policy_version=policy_version, seed=episode_seed(seed, ti, gi))
 
     jobs = [asyncio.ensure_future(one(ti, gi)) for ti in range(len(tasks)) for gi in range(group_size)]
-    done = await asyncio.gather(*jobs)
+    try:
+        done = await asyncio.gather(*jobs)
+    except BaseException:
+        for j in jobs:  # an engine failure or cancellation: stop the other episodes too
+            j.cancel()
+        raise
+    errored = [e for e in done if e.metrics.get("episode_error")]
+    if done and len(errored) == len(done):
+        raise RuntimeError(f"all {len(done)} episodes of the rollout errored; the first: {errored[0].grade_error}")
     return [list(done[ti * group_size:(ti + 1) * group_size]) for ti in range(len(tasks))]
