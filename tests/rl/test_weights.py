@@ -1,4 +1,4 @@
-"""rl/weights.py: trainer (fused) names -> checkpoint names, bucketing, the zero-copy wire format; engine update validation.
+"""rl/weights (names, encode, wire): trainer (fused) names -> checkpoint names, bucketing, the zero-copy wire format; engine update validation.
 
 CPU-only and fast: no vLLM engine is started here. The oracle for the name mapping is transformers'
 own `save_pretrained` (what vLLM's loader reads), plus a from-the-formula expert MLP.
@@ -17,10 +17,14 @@ from rl.weights import (
     TensorEntry,
     WeightBucket,
     WeightSyncError,
+    entries_from_wire,
+    entries_to_wire,
     export_buckets,
+    layout_key,
     make_buckets,
     pack_bucket,
     plan_buckets,
+    plan_sync,
     tensor_bytes,
     to_checkpoint_format,
     total_bytes,
@@ -258,3 +262,80 @@ def test_update_validation_refuses_partial_fused_parameters():
         check_update_complete(["model.layers.1.mlp.up_proj.weight"], num_experts=None)
     with pytest.raises(EngineError, match="no expert count"):
         check_update_complete(full_layer, num_experts=None)
+
+
+# ----------------------------------------------------------------------------- the cached layout
+def _buckets_equal(got: list[WeightBucket], want: list[WeightBucket]) -> None:
+    assert [b.entries for b in got] == [b.entries for b in want]
+    for g, w in zip(got, want):
+        for (n, a), (m, b) in zip(unpack_bucket(g), unpack_bucket(w)):
+            assert n == m and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "mxfp4"])
+def test_a_layout_is_reused_while_names_shapes_and_dtypes_match_and_rebuilt_when_they_change(fmt):
+    """The cached plan gives exactly what a fresh plan gives, and any change of name, shape, dtype or format arguments rebuilds it."""
+    sd = dict(_tiny_qwen3_moe().state_dict())
+    first = plan_sync(sd, "qwen3_moe", 0.05, fmt=fmt)
+    with torch.no_grad():
+        sd2 = {n: t * 0.5 + 1.0 for n, t in sd.items()}  # new values (and new tensor objects), same signature
+    again = plan_sync(sd2, "qwen3_moe", 0.05, fmt=fmt, reuse=first.layout)
+    assert again.layout is first.layout
+    for copy in (True, False):
+        _buckets_equal(again.to_buckets(copy=copy), make_buckets(sd2, "qwen3_moe", 0.05, fmt=fmt, copy=copy))
+
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    changes = {
+        "shape": sd2 | {gate_up: torch.randn(4, 96, 32)},  # wider experts under the same name
+        "dtype": sd2 | {"model.norm.weight": sd2["model.norm.weight"].to(torch.bfloat16)},
+        "name": {("model.final_norm.weight" if n == "model.norm.weight" else n): t for n, t in sd2.items()},
+        "dropped": {n: t for n, t in sd2.items() if n != "lm_head.weight"},
+        "order": dict(reversed(list(sd2.items()))),
+    }
+    for what, state in changes.items():
+        p = plan_sync(state, "qwen3_moe", 0.05, fmt=fmt, reuse=first.layout)
+        assert p.layout is not first.layout, what
+        _buckets_equal(p.to_buckets(), make_buckets(state, "qwen3_moe", 0.05, fmt=fmt))
+    for kw in ({"bucket_mb": 0.1}, {"mxfp4_rest": "bf16"}, {"fmt": "keep" if fmt != "keep" else "fp32"}):
+        args = {"bucket_mb": 0.05, "fmt": fmt} | kw
+        assert plan_sync(sd2, "qwen3_moe", reuse=first.layout, **args).layout is not first.layout, kw
+    assert plan_sync(sd2, "mixtral", 0.05, fmt=fmt, reuse=first.layout).layout is not first.layout
+    assert plan_sync(sd2, "qwen3_moe", 0.05, fmt=fmt, tie_word_embeddings=True, reuse=first.layout).layout is not first.layout
+    assert layout_key(sd2, "qwen3_moe", 0.05, fmt, "fp32") == first.layout.key
+
+
+def test_staging_reuses_its_gather_targets_and_follows_a_new_layout():
+    sd = dict(_tiny_qwen3_moe().state_dict())
+    staging = SyncStaging()
+    p1 = plan_sync(sd, "qwen3_moe", 0.05, fmt="bf16")
+    b1 = p1.to_buckets(staging=staging)
+    targets = [staging.targets(i, p1.layout)[1] for i in range(len(p1.layout.buckets))]
+    assert all(staging.targets(i, p1.layout)[1] is t for i, t in enumerate(targets))  # built once per buffer and layout
+    with torch.no_grad():
+        sd = {n: t - 2.0 for n, t in sd.items()}
+    _buckets_equal(plan_sync(sd, "qwen3_moe", 0.05, fmt="bf16", reuse=p1.layout).to_buckets(staging=staging),
+                   make_buckets(sd, "qwen3_moe", 0.05, fmt="bf16"))
+    assert [b.buffers[0].ctypes.data for b in b1]  # the old buckets alias the same staging memory (documented)
+    grown = sd | {"model.layers.1.mlp.experts.gate_up_proj": torch.randn(4, 96, 32)}
+    p2 = plan_sync(grown, "qwen3_moe", 0.05, fmt="bf16", reuse=p1.layout)
+    assert p2.layout is not p1.layout
+    _buckets_equal(p2.to_buckets(staging=staging), make_buckets(grown, "qwen3_moe", 0.05, fmt="bf16"))
+
+
+def test_the_index_pickles_as_one_interned_blob_and_unpack_reuses_its_views():
+    import pickle
+
+    m = _tiny_qwen3_moe()
+    (b,) = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=64, fmt="fp32")
+    r1, r2 = pickle.loads(pickle.dumps(b, protocol=5)), pickle.loads(pickle.dumps(b, protocol=5))
+    assert r1.entries == b.entries and r1.entries is r2.entries  # interned: one tuple of entries for one index
+    assert r1.wire_index() == entries_to_wire(b.entries) and entries_from_wire(r1.wire_index()) is r1.entries
+    _buckets_equal([r1], [b])
+    first, second = unpack_bucket(r1), unpack_bucket(r1)
+    assert all(x is y for (_, x), (_, y) in zip(first, second))  # the same views, not rebuilt
+    assert first is not second  # ... in a fresh list each time
+    (q,) = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=64, fmt="mxfp4")
+    d1, d2 = dict(unpack_bucket(q)), dict(unpack_bucket(q))
+    w = "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert torch.equal(d1[w], d2[w]) and d1[w].data_ptr() != d2[w].data_ptr()  # dequantized anew on every call
+    assert d1["model.norm.weight"] is d2["model.norm.weight"]  # raw entries of an mxfp4 bucket are cached views

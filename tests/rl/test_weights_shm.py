@@ -1,4 +1,4 @@
-"""Same-node weight sync through /dev/shm (rl/weights.py: ShmSyncArea, ShmReader, WeightExporter).
+"""Same-node weight sync through /dev/shm (rl/weights/shm.py, exporter.py: ShmSyncArea, ShmReader, WeightExporter).
 
 CPU part (fast, one Ray instance for the module): the shm path delivers exactly what the
 object-store path delivers, for every sync format, as zero-copy views of the mapped file; double
@@ -6,7 +6,8 @@ buffering keeps the previous sync readable and refuses an overwritten one; a wri
 refuses to overrun) a reader, a reader refuses a slot being rewritten, and a torn read is refused
 after loading; the object store is chosen (and logged) for foreign nodes, a full /dev/shm or when
 forced; files go away on close, on garbage collection, on SIGKILL of the owner (reaper) and, for
-dead owners, at the next start.
+dead owners, at the next start; the exporter reuses its layout and the reader its views across
+syncs until a name, shape or dtype changes.
 
 Engine part (slow): a real rollout worker loads a shm sync and serves the same logprobs as after an
 object-store sync of the same weights, and both match HF on those weights.
@@ -54,7 +55,7 @@ def shm_dir():
 def ray_local():
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # a private instance beside any others
     yield ray
     ray.shutdown()
 
@@ -207,14 +208,14 @@ def test_reader_refuses_a_slot_being_written_and_a_torn_read(shm_dir):
 
 
 def test_a_write_that_fails_halfway_leaves_the_slot_unreadable(shm_dir, monkeypatch):
-    import rl.weights as W
+    import rl.weights.shm as W
 
     area = ShmSyncArea(NODE, shm_dir, reaper=False)
     reader = ShmReader(NODE)
     try:
         i1 = area.write(_plan(_state(1)))
         area.write(_plan(_state(2)))
-        real = W._pack_sources
+        real = W.write_bucket
         calls = {"n": 0}
 
         def failing(*a, **k):
@@ -223,12 +224,12 @@ def test_a_write_that_fails_halfway_leaves_the_slot_unreadable(shm_dir, monkeypa
                 raise RuntimeError("simulated failure mid-write")
             return real(*a, **k)
 
-        monkeypatch.setattr(W, "_pack_sources", failing)
+        monkeypatch.setattr(W, "write_bucket", failing)
         with pytest.raises(RuntimeError, match="mid-write"):
             area.write(_plan(_state(3)))  # goes to generation 1's slot, first bucket overwritten
         with pytest.raises(ShmSyncError, match=r"holds generation 3 \(being written\)"):
             _read_all(reader, i1)
-        monkeypatch.setattr(W, "_pack_sources", real)
+        monkeypatch.setattr(W, "write_bucket", real)
         s3 = _state(3)
         i3 = area.write(_plan(s3))  # the retry completes generation 3
         assert i3[0].slot.generation == 3 and all(torch.equal(v, s3[n]) for n, v in _read_all(reader, i3).items())
@@ -273,10 +274,65 @@ def test_slots_grow_in_place_and_readers_remap(shm_dir):
         area.close()
 
 
+def test_exporter_reuses_its_layout_and_the_reader_its_views_until_the_weights_change(shm_dir):
+    import pickle
+
+    from rl.weights import to_checkpoint_format
+
+    ex = WeightExporter(node_id=NODE, shm_dir=shm_dir)
+    reader = ShmReader(NODE)
+
+    def sync(model, named=None):
+        index = ex.export(model, named if named is not None else model.named_parameters(), bucket_mb=0.05, fmt="fp32",
+                          reader_nodes=[NODE])
+        index = pickle.loads(pickle.dumps(index, protocol=5))  # as it crosses Ray
+        with reader.open(index) as views:
+            got = {n: t.clone() for v in views for n, t in unpack_bucket(v)}
+        return index, views, got
+
+    def expect(model, got):
+        ck = to_checkpoint_format(model.state_dict(), "qwen3_moe")
+        assert list(got) == list(ck) and all(got[n].shape == ck[n].shape and torch.equal(got[n], ck[n]) for n in ck)
+
+    try:
+        m = random_qwen3_moe()
+        i1, v1, g1 = sync(m)
+        layout = ex.layout
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        i2, v2, _ = sync(m)
+        i3, v3, g3 = sync(m)  # generation 3 goes to generation 1's slot
+        assert ex.layout is layout and i3[0].slot.path == i1[0].slot.path
+        assert all(a.entries is b.entries for a, b in zip(i1, i3))  # the index is interned on arrival
+        assert all(a is b for a, b in zip(v1, v3))  # same slot, same layout: the reader reuses its bucket views ...
+        assert not any(a is b for a, b in zip(v1, v2))  # (the other slot has its own)
+        expect(m, g3)  # ... which show the new bytes
+        assert not torch.equal(g1["model.norm.weight"], g3["model.norm.weight"])
+
+        m2 = random_qwen3_moe(moe_inter=64, seed=1)  # wider experts under the same names: new layout, the slots grow
+        for _ in range(3):
+            _, v, g = sync(m2)
+            expect(m2, g)
+        assert ex.layout is not layout
+        assert not any(a is b for a, b in zip(v, v3))  # the reader mapped the grown slot again: new views
+
+        # a dtype change of one tensor (same names and shapes): rebuilt as well; fp32 on the wire, values as given
+        wide = ex.layout
+        named = [(n, p.detach().to(torch.bfloat16) if n == "model.norm.weight" else p.detach()) for n, p in m2.named_parameters()]
+        _, _, g = sync(m2, named)
+        assert ex.layout is not wide
+        assert g["model.norm.weight"].dtype == torch.float32
+        assert torch.equal(g["model.norm.weight"], m2.model.norm.weight.detach().to(torch.bfloat16).float())
+        _, _, g = sync(m2)
+        expect(m2, g)
+    finally:
+        reader.close()
+        ex.close()
+
+
 # ----------------------------------------------------------------------------- choosing the transport
 def test_transport_choice_and_fallbacks(shm_dir, monkeypatch, caplog):
-    import rl.weights as W
-
     m = random_qwen3_moe()
     ex = WeightExporter(node_id=NODE, shm_dir=shm_dir)
     caplog.set_level(logging.INFO, logger="jointrl.weights")
@@ -317,7 +373,7 @@ def test_transport_choice_and_fallbacks(shm_dir, monkeypatch, caplog):
             return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 16, st.f_files, st.f_ffree, st.f_favail,
                                       st.f_flag, st.f_namemax))
 
-        monkeypatch.setattr(W.os, "statvfs", full)
+        monkeypatch.setattr(os, "statvfs", full)
         caplog.clear()
         out = export(reader_nodes=[NODE])
         assert all(isinstance(b, WeightBucket) for b in out) and "MiB free" in ex.last_reason
@@ -325,13 +381,13 @@ def test_transport_choice_and_fallbacks(shm_dir, monkeypatch, caplog):
         with pytest.raises(ShmSyncError, match="forced but .* MiB free"):
             export(transport="shm")
         # room at the check, none at the allocation (another process filled /dev/shm meanwhile)
-        monkeypatch.setattr(W.os, "statvfs", real)
+        monkeypatch.setattr(os, "statvfs", real)
         ex.close()
 
         def enospc(fd, off, n):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(W.os, "posix_fallocate", enospc)
+        monkeypatch.setattr(os, "posix_fallocate", enospc)
         out = export(reader_nodes=[NODE])
         assert all(isinstance(b, WeightBucket) for b in out) and "No space left" in ex.last_reason
         assert os.listdir(shm_dir) == []  # no half-made slot left behind
@@ -367,11 +423,11 @@ def test_files_are_removed_on_close_and_on_garbage_collection_and_readers_keep_t
 
 
 def test_stale_files_of_dead_or_reused_pids_are_swept_at_start(shm_dir):
-    from rl.weights import _proc_start_time
+    from rl.weights import proc_start_time
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    me, start = os.getpid(), _proc_start_time(os.getpid())
+    me, start = os.getpid(), proc_start_time(os.getpid())
     names = {
         f"{SHM_PREFIX}{dead.pid}-123-aa-0": False,  # owner dead
         f"{SHM_PREFIX}{me}-{start + 1}-bb-0": False,  # pid alive but another process (start time differs): reused pid
