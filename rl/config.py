@@ -81,6 +81,15 @@ class RolloutSection:
     # replays the same rollouts. On CPU this turns chunked prefill off (and prefix caching for hybrid
     # models: ~1.2x slower rollouts there); see docs/rollout.md "Determinism".
     seeded_requests: bool = True
+    # GPU paths (docs/training.md "GPU paths"; untested on a GPU in this project so far). GPUs each
+    # worker asks Ray for: 0 = a CPU engine; whole numbers give each worker GPUs of its own, apart from
+    # the trainer's (trainer.gpus_per_rank); a fraction lets roles share one GPU (not with NCCL sync).
+    gpus_per_worker: float = 0.0
+    tensor_parallel_size: int = 1  # vLLM TP ranks per worker; > 1 is GPU only and needs gpus_per_worker = tensor_parallel_size
+    # A custom Ray resource every rollout worker requires ("" = none): only nodes started with it
+    # (`ray start --resources '{"rollout_node": 1}'`) host workers. Each worker takes
+    # NODE_RESOURCE_UNIT of it, so the node's amount does not limit how many it hosts.
+    node_resource: str = ""
 
 
 @dataclass
@@ -128,6 +137,9 @@ class TrainerSection:
     num_workers: int = 1  # DeepSpeed ranks, one Ray actor each in one placement group (rl/trainer/group.py)
     cpus_per_rank: float = 1.0  # Ray resources of each rank's bundle
     gpus_per_rank: float = 0.0  # > 0: NCCL between ranks; 0: gloo on CPU
+    # A custom Ray resource every rank's bundle requires ("" = none): ranks go only to nodes started
+    # with it, NODE_RESOURCE_UNIT each (see rollout.node_resource)
+    node_resource: str = ""
     zero_stage: Literal[0, 1, 2, 3] = 1
     lr: float = 1e-5
     critic_lr: float = 1e-5  # algorithm.advantage = gae
@@ -145,8 +157,9 @@ class TrainerSection:
     sync_bucket_mb: int = 64
     sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
     # auto: /dev/shm when every rollout worker shares the trainer's node (and it has room), else Ray's
-    # object store; $JOINTRL_SYNC_TRANSPORT overrides (docs/rollout.md, weight sync)
-    sync_transport: Literal["auto", "shm", "object_store"] = "auto"
+    # object store; $JOINTRL_SYNC_TRANSPORT overrides (docs/rollout.md, weight sync). nccl (GPU only,
+    # untested on a GPU so far): rank 0 broadcasts into the workers' GPUs (rl/rollout/nccl_sync.py)
+    sync_transport: Literal["auto", "shm", "object_store", "nccl"] = "auto"
     checkpoint_every: int = 0  # 0 = only at the end
     resume: bool = True
 
@@ -323,6 +336,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that types alone cannot express."""
+    _validate_gpu_paths(cfg)
     known = set(cfg.envs.env_ids)
     for d, w in cfg.envs.weights.items():
         if d not in known:
@@ -377,6 +391,60 @@ def validate(cfg: RunConfig) -> None:
                           "directory with config.json")
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"config key 'trainer.lr': value {cfg.trainer.lr} must be > 0")
+    for key, name in (("trainer.node_resource", cfg.trainer.node_resource), ("rollout.node_resource", cfg.rollout.node_resource)):
+        problem = node_resource_problem(name)
+        if problem:
+            raise ConfigError(f"config key '{key}': {name!r} {problem}")
+
+
+# Resources Ray counts on every node: they cannot mark chosen nodes, and a NODE_RESOURCE_UNIT of them
+# would be taken out of the CPU / memory accounting. (`node:<ip>` and `accelerator_type:<type>`,
+# which Ray sets per node, are allowed: they pin a role to that node or node type.)
+_COUNTED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+NODE_RESOURCE_UNIT = 0.001  # how much of a `node_resource` each rank / worker takes (Ray's precision is 1e-4)
+
+
+def node_resource_problem(name: str) -> str:
+    """Why `name` cannot be a `*.node_resource` (a Ray resource marking the nodes a role may use), or "" if it can."""
+    if name == "":
+        return ""
+    if any(c.isspace() for c in name):
+        return "must not contain whitespace"
+    if name in _COUNTED_RESOURCES:
+        return ("is a resource Ray counts on every node; name a custom resource that "
+                "`ray start --resources '{\"NAME\": 1}'` gives the chosen nodes")
+    return ""
+
+
+def _whole_gpus(n: float) -> bool:
+    return n >= 1 and float(n).is_integer()
+
+
+def _validate_gpu_paths(cfg: RunConfig) -> None:
+    """GPU rollout, tensor parallelism and NCCL sync (nothing here needs a GPU to check; the start-up
+    refuses a cluster without the GPUs asked for, rl/runtime.py)."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.gpus_per_worker < 0:
+        raise ConfigError(f"config key 'rollout.gpus_per_worker': value {r.gpus_per_worker} must be >= 0")
+    if r.tensor_parallel_size < 1:
+        raise ConfigError(f"config key 'rollout.tensor_parallel_size': value {r.tensor_parallel_size} must be >= 1")
+    if r.tensor_parallel_size > 1 and r.gpus_per_worker == 0:
+        raise ConfigError(f"config key 'rollout.tensor_parallel_size': {r.tensor_parallel_size} needs GPU rollout workers; "
+                          "on CPU it must be 1 (vLLM's CPU build runs one engine process). For tensor parallelism set "
+                          f"rollout.gpus_per_worker={r.tensor_parallel_size}")
+    if r.tensor_parallel_size > 1 and r.gpus_per_worker != r.tensor_parallel_size:
+        raise ConfigError(f"config key 'rollout.gpus_per_worker': {r.gpus_per_worker} with rollout.tensor_parallel_size="
+                          f"{r.tensor_parallel_size}: each worker needs one whole GPU per TP rank "
+                          f"(set rollout.gpus_per_worker={r.tensor_parallel_size})")
+    if t.sync_transport == "nccl":
+        if not (_whole_gpus(t.gpus_per_rank) and _whole_gpus(r.gpus_per_worker)):
+            raise ConfigError("config key 'trainer.sync_transport': 'nccl' is GPU only and needs the trainer ranks and every "
+                              "rollout worker on GPUs of their own: trainer.gpus_per_rank and rollout.gpus_per_worker must be "
+                              f"whole numbers >= 1 (got {t.gpus_per_rank} and {r.gpus_per_worker}; NCCL refuses two ranks on "
+                              "one GPU). On CPU, or with roles sharing a GPU, use 'auto', 'shm' or 'object_store'")
+        if t.sync_format == "mxfp4":
+            raise ConfigError("config key 'trainer.sync_format': 'mxfp4' is not supported with trainer.sync_transport=nccl "
+                              "(the engine would have to dequantize); use 'fp32' or 'bf16'")
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from jointrl.records import Task
-from rl.config import RunConfig, to_dict
+from rl.config import NODE_RESOURCE_UNIT, ConfigError, RunConfig, to_dict
 from rl.log import get_logger, progress
 from rl.metrics import MetricsSink
 from rl.types import Episode, RolloutGroup
@@ -54,15 +54,82 @@ def describe_placement(cfg: RunConfig) -> list[str]:
     lines = [f"ray: {ray_at}",
              f"trainer: {t.num_workers} DeepSpeed rank(s) (ZeRO-{t.zero_stage}, {cfg.model.dtype}, "
              f"{'NCCL' if t.gpus_per_rank else 'gloo'}), one placement-group bundle each "
-             f"{{CPU: {t.cpus_per_rank}{f', GPU: {t.gpus_per_rank}' if t.gpus_per_rank else ''}}}, packed; "
+             f"{{CPU: {t.cpus_per_rank}{f', GPU: {t.gpus_per_rank}' if t.gpus_per_rank else ''}"
+             f"{f', {t.node_resource}: {NODE_RESOURCE_UNIT}' if t.node_resource else ''}}}, packed; "
              "rank 0 hosts the rendezvous and publishes weights"]
     a = cfg.algorithm
     if a.kl_coef > 0 or a.kl_in_reward:
         lines.append(f"reference: frozen {cfg.model.reference!r} policy inside each trainer rank's process")
-    lines.append(f"rollout: {cfg.rollout.num_workers} vLLM worker(s), num_cpus={ROLLOUT_CPUS} each, behind the "
-                 "driver's dispatcher; weight sync via /dev/shm when on the trainer's node, else the object store")
+    r = cfg.rollout.node_resource
+    lines.append(f"rollout: {cfg.rollout.num_workers} vLLM worker(s), num_cpus={ROLLOUT_CPUS}"
+                 f"{f', {r}={NODE_RESOURCE_UNIT}' if r else ''} each, behind the "
+                 f"driver's dispatcher; {_rollout_gpus(cfg)}weight sync {_sync_route(cfg.trainer.sync_transport)}")
     lines.append(f"environments: sandboxes run by the driver's agent loop, up to {cfg.rollout.max_concurrent_episodes} episodes at once")
     return lines
+
+
+def check_node_resources(cfg: RunConfig, with_trainer: bool = True) -> None:
+    """A `*.node_resource` that no node of the Ray cluster offers: refused on the run's own local Ray
+    instance (it never will); on a cluster (RAY_ADDRESS) a warning, and the role waits for such a node,
+    as the autoscaler may start one or an operator re-add one after a node loss."""
+    import ray
+
+    offered = ray.cluster_resources()
+    wanted = [("trainer.node_resource", cfg.trainer.node_resource)] if with_trainer else []
+    for key, name in wanted + [("rollout.node_resource", cfg.rollout.node_resource)]:
+        if not name or offered.get(name, 0.0) >= NODE_RESOURCE_UNIT:
+            continue
+        custom = sorted(k for k in offered if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:"))
+        msg = (f"config key '{key}': no node of the Ray cluster offers resource {name!r} (custom resources offered: "
+               f"{', '.join(custom) or 'none'})")
+        if not os.environ.get("RAY_ADDRESS"):
+            raise ConfigError(f"{msg}; the run's local Ray instance has none: set it only on a cluster (RAY_ADDRESS)")
+        log.warning("%s; its %s wait until a node started with `ray start --resources '{\"%s\": 1}'` joins", msg,
+                    "ranks" if key.startswith("trainer") else "workers", name)
+
+
+def _rollout_gpus(cfg: RunConfig) -> str:
+    """The rollout workers' GPUs and tensor parallelism, and whether they share the trainer's GPUs ("" on CPU)."""
+    r, t = cfg.rollout, cfg.trainer
+    if not r.gpus_per_worker:
+        return ""
+    tp = f" (tensor_parallel_size={r.tensor_parallel_size})" if r.tensor_parallel_size > 1 else ""
+    whole = all(g >= 1 and float(g).is_integer() for g in (r.gpus_per_worker, t.gpus_per_rank))
+    if whole:
+        apart = (f"apart from the trainer's ({r.num_workers} x {r.gpus_per_worker:g} + {t.num_workers} x {t.gpus_per_rank:g} "
+                 "whole GPUs)")
+    elif t.gpus_per_rank:
+        apart = f"possibly sharing a GPU with the trainer (fractional: {t.gpus_per_rank:g} per trainer rank)"
+    else:
+        apart = "trainer on CPU"
+    return f"GPUs: {r.gpus_per_worker:g} per worker{tp}, {apart}; "
+
+
+def _sync_route(transport: str) -> str:
+    return {"shm": "via /dev/shm (forced)", "object_store": "via Ray's object store (forced)",
+            "nccl": "over NCCL: trainer rank 0 broadcasts into every worker's GPUs (rl/rollout/nccl_sync.py)"}.get(
+        transport, "via /dev/shm when on the trainer's node, else the object store")
+
+
+def check_gpu_resources(cfg: RunConfig, with_trainer: bool = True) -> None:
+    """Refuse at start-up the GPUs a local Ray instance does not have (its actors would wait forever);
+    on a cluster (RAY_ADDRESS) only warn, the autoscaler may add them."""
+    import ray
+
+    r, t = cfg.rollout, cfg.trainer
+    need = r.num_workers * r.gpus_per_worker + (t.num_workers * t.gpus_per_rank if with_trainer else 0.0)
+    if need == 0:
+        return
+    have = float(ray.cluster_resources().get("GPU", 0.0))
+    if need <= have:
+        return
+    msg = (f"the run asks Ray for {need:g} GPU(s) (trainer.gpus_per_rank={t.gpus_per_rank:g} x trainer.num_workers={t.num_workers}"
+           f" + rollout.gpus_per_worker={r.gpus_per_worker:g} x rollout.num_workers={r.num_workers}) but Ray sees {have:g}")
+    if os.environ.get("RAY_ADDRESS"):
+        log.warning("%s; the actors wait until the cluster has them", msg)
+        return
+    raise ConfigError(f"{msg}: no CUDA device here? Set them to 0 (and trainer.sync_transport != nccl) on CPU "
+                      "(docs/training.md, GPU paths)")
 
 
 @dataclass(frozen=True)
@@ -143,6 +210,8 @@ class Runtime:
             else:
                 ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
                          _temp_dir=os.environ.get("RAY_TMPDIR"))
+        check_node_resources(cfg, with_trainer)
+        check_gpu_resources(cfg, with_trainer)
         if with_trainer:
             self._start_trainer(init_dir, resume)
         self._start_rollout(serve_dir)
@@ -181,7 +250,8 @@ class Runtime:
                             zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, dtype=cfg.model.dtype) \
             if self.has_critic else None
         self.trainer = TrainerGroup.start(str(init_dir), spec, self.objective, num_ranks=t.num_workers,
-                                          resources=TrainerResources(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank),
+                                          resources=TrainerResources(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,
+                                                                     node_resource=t.node_resource),
                                           env=cache_env, critic=critic)
         info = self.trainer.ready()
         log.info("trainer ready: %s", info)
@@ -192,9 +262,12 @@ class Runtime:
         from rl.rollout.worker import rollout_worker_actor
 
         cfg = self.cfg
-        ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed)
+        ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed,
+                                                 weight_transfer="nccl" if cfg.trainer.sync_transport == "nccl" else None)
         env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "XDG_"))}
-        Actor = rollout_worker_actor(num_cpus=ROLLOUT_CPUS)
+        marker = cfg.rollout.node_resource  # replacements after a worker's node is lost stay on such nodes too
+        Actor = rollout_worker_actor(num_cpus=ROLLOUT_CPUS, num_gpus=cfg.rollout.gpus_per_worker,
+                                     resources={marker: NODE_RESOURCE_UNIT} if marker else None)
         self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
         log.info("rollout workers ready: %s", self.rollout_engine.health())
 
@@ -359,7 +432,7 @@ class Runtime:
         """Trainer -> rollout engines, never through the driver's memory.
 
         Same-node workers read the trainer's /dev/shm area (only a small index crosses Ray); otherwise
-        the buckets go through Ray's object store (rl/weights.py, "same-node transport").
+        the buckets go through Ray's object store (rl/weights/, "same-node transport").
         $JOINTRL_SYNC_TRANSPORT=shm|object_store forces one.
         """
         import ray
@@ -368,6 +441,14 @@ class Runtime:
 
         t0 = time.perf_counter()
         version = self.trainer.version()
+        if self.cfg.trainer.sync_transport == "nccl":  # GPU only: rank 0 broadcasts into the workers (rl/rollout/nccl_sync.py)
+            from rl.rollout.nccl_sync import NcclWeightSync
+
+            if getattr(self, "_nccl", None) is None:
+                self._nccl = NcclWeightSync.setup(self.trainer, self.rollout_engine, self.cfg)
+            m = self._nccl.sync(version)
+            self.policy_version = version
+            return m
         transport = requested_transport(self.cfg.trainer.sync_transport)
         readers = self.rollout_engine.reader_nodes() if transport == "auto" else []
         # Bucket refs (or shm indexes) owned by the trainer: the payload never passes through the driver.
@@ -441,4 +522,8 @@ class Runtime:
             np.random.set_state(drv["np_random"])
         self.start_step = int(meta["step"])
         self.policy_version = int(meta["policy_version"])
-        log.info("resumed from step %d (policy version %d)", self.start_step, self.policy_version)
+        # Said once, in these words, so a log shows how the run came back: a lost trainer (or a
+        # stopped job) ends the run, and this is a new `jointrl train` continuing it.
+        log.warning("resumed from the last checkpoint (%s: step %d, policy version %d) because `jointrl train` was "
+                    "started again on this run (trainer.resume=true); the driver never restarts a lost trainer by itself",
+                    self.ckpt_dir, self.start_step, self.policy_version)

@@ -3,13 +3,17 @@
 - Balancing: each request goes to the worker with the fewest outstanding requests (counted across all
   concurrent callers), so one batch is spread evenly and concurrent batches fill idle workers first.
   A worker gets its share as one call, so vLLM batches it.
-- Restarts: when a call fails because its actor died (`RayActorError`, e.g. `ray.kill` or an OOM), the
-  dispatcher builds a replacement with `worker_factory()`, re-applies the latest weight sync (kept as
-  object refs, so nothing is copied again) and re-sends the dead worker's requests, up to `max_retries`
-  times per batch. Other errors (a bad request) propagate unchanged.
+- Restarts: when a call fails because its actor died (`RayActorError`: `ray.kill`, an OOM, or its whole
+  node gone) or its result was lost with the node that held it (`ObjectLostError`), the dispatcher
+  builds a replacement with `worker_factory()` (Ray places it on a surviving node that satisfies the
+  factory's resources), re-applies the latest weight sync (kept as object refs, so nothing is copied
+  again) and re-sends the dead worker's requests, up to `max_retries` times per batch. Every request
+  gets exactly one result: the results of a failed call are discarded whole and its requests re-sent.
+  A replacement that dies while starting is replaced again (up to `max_retries` times). Other errors
+  (a bad request) propagate unchanged.
 - Weight sync: `update_weights(buckets, version)` puts each bucket in Ray's object store once and
   sends the refs to every worker. Buckets are `WeightBucket`s (the payload) or `ShmBucket`s (a small
-  index into the trainer's same-node shared memory, rl/weights.py); `reader_nodes()` gives the
+  index into the trainer's same-node shared memory, rl/weights/); `reader_nodes()` gives the
   workers' Ray node ids so the trainer can choose. A restart replays the last sync; if that was a
   shm sync and the replacement landed on another node, the replay fails loudly (same-node only).
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,6 +36,20 @@ log = logging.getLogger(__name__)
 
 class DispatchError(RuntimeError):
     """Requests could not be served even after restarting workers."""
+
+
+RESTART_WAIT_LOG_S = 60.0  # how often a replacement that has not started yet is reported
+
+
+def _get_while_logging(ref: Any, w: int, t0: float) -> Any:
+    """`ray.get(ref)` that says every RESTART_WAIT_LOG_S why the driver is waiting: a replacement waits
+    for a node with its resources free (none may be left after a node loss), then for its engine."""
+    import ray
+
+    while not ray.wait([ref], timeout=RESTART_WAIT_LOG_S)[0]:
+        log.warning("replacement for rollout worker %d not serving after %.0f s: it needs a node with its resources "
+                    "free (see `ray status`), then its engine start", w, time.perf_counter() - t0)
+    return ray.get(ref)
 
 
 @dataclass
@@ -53,13 +72,15 @@ class RolloutDispatcher:
         self._latest: tuple[list[Any], int] | None = None  # (bucket refs, version) of the last sync
 
     # -- balancing
-    def _assign(self, indices: Sequence[int]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
+    def _assign(self, indices: Sequence[int]) -> dict[int, tuple[list[int], Any, int]]:
+        """worker -> (request indices, its handle, its generation), read together under the lock so a
+        failure is blamed on the worker generation that actually served the call."""
+        out: dict[int, tuple[list[int], Any, int]] = {}
         with self._lock:
             for i in indices:
                 w = min(range(len(self._slots)), key=lambda k: self._slots[k].outstanding)
                 self._slots[w].outstanding += 1
-                out.setdefault(w, []).append(i)
+                out.setdefault(w, ([], self._slots[w].handle, self._slots[w].generation))[0].append(i)
         return out
 
     def _release(self, w: int, count: int) -> None:
@@ -69,24 +90,34 @@ class RolloutDispatcher:
     def _restart(self, w: int, generation: int) -> None:
         """Replace worker w unless another caller already did; give it the latest weights first."""
         import ray
+        from ray.exceptions import RayActorError
 
         with self._lock:
             slot = self._slots[w]
             if slot.generation != generation:
                 return
-            log.warning("rollout worker %d died; restarting it", w)
-            try:
-                ray.kill(slot.handle)
-            except Exception:  # already gone
-                pass
-            handle = self._factory()
-            if self._latest is not None:
-                refs, version = self._latest
-                ray.get(handle.update_weights.remote(refs, version))
-            slot.handle = handle
+            log.warning("rollout worker %d (node %s) died; restarting it", w, slot.node_id or "not asked yet")
+            t0 = time.perf_counter()
+            for attempt in range(self.max_retries + 1):
+                try:
+                    ray.kill(slot.handle)
+                except Exception:  # already gone
+                    pass
+                slot.handle = self._factory()
+                try:
+                    if self._latest is not None:
+                        refs, version = self._latest
+                        _get_while_logging(slot.handle.update_weights.remote(refs, version), w, t0)
+                    slot.node_id = _get_while_logging(slot.handle.health.remote(), w, t0).node_id
+                    break
+                except RayActorError as e:
+                    # e.g. placed on a node that was going away before Ray marked it dead
+                    if attempt == self.max_retries:
+                        raise DispatchError(f"rollout worker {w}: {attempt + 1} replacements died while starting") from e
+                    log.warning("replacement for rollout worker %d died while starting (%s); trying again", w, type(e).__name__)
             slot.generation += 1
             slot.restarts += 1
-            slot.node_id = None
+            log.warning("rollout worker %d restarted on node %s in %.1f s", w, slot.node_id, time.perf_counter() - t0)
 
     # -- the public surface
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
@@ -97,19 +128,16 @@ class RolloutDispatcher:
 
     def _fan_out(self, method: str, items: list[Any]) -> list[Any]:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ObjectLostError, RayActorError
 
         results: list[Any] = [None] * len(items)
         todo = list(range(len(items)))
         for attempt in range(self.max_retries + 1):
             if not todo:
                 break
-            assignment = self._assign(todo)
             calls: dict[Any, tuple[int, list[int], int]] = {}
-            for w, idxs in assignment.items():
-                slot = self._slots[w]
-                ref = getattr(slot.handle, method).remote([items[i] for i in idxs])
-                calls[ref] = (w, idxs, slot.generation)
+            for w, (idxs, handle, gen) in self._assign(todo).items():
+                calls[getattr(handle, method).remote([items[i] for i in idxs])] = (w, idxs, gen)
             failed: list[int] = []
             pending = list(calls)
             while pending:
@@ -117,7 +145,7 @@ class RolloutDispatcher:
                 w, idxs, gen = calls[done[0]]
                 try:
                     out = ray.get(done[0])
-                except RayActorError as e:
+                except (RayActorError, ObjectLostError) as e:
                     log.warning("worker %d failed during %s (%s): retrying %d requests", w, method, type(e).__name__, len(idxs))
                     self._restart(w, gen)
                     failed.extend(idxs)
@@ -168,9 +196,7 @@ class RolloutDispatcher:
             try:
                 s.node_id = ray.get(s.handle.health.remote()).node_id
             except RayActorError:
-                self._restart(w, gen)
-                s = self._slots[w]
-                s.node_id = ray.get(s.handle.health.remote()).node_id
+                self._restart(w, gen)  # records the replacement's node as it starts
         return [s.node_id or "" for s in self._slots]
 
     def health(self) -> list[Any]:

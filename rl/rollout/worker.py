@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rl.rollout.engine import EngineConfig, GenerateRequest, GenerateResult, RolloutEngine, WeightUpdateStats
+from rl.rollout.nccl_sync import NcclSyncTicket, receive_nccl_sync
 from rl.weights import ShmBucket, ShmReader, WeightBucket, engine_dtype, local_node_id, unpack_bucket
 
 
@@ -72,6 +73,8 @@ class RolloutWorkerImpl:
         t0 = time.perf_counter()
         n_tensors = n_bytes = repacked = 0
         items = _resolve_all(buckets)
+        if any(isinstance(x, NcclSyncTicket) for x in items):  # GPU only: the trainer broadcasts it (rl/rollout/nccl_sync.py)
+            return receive_nccl_sync(self, items, target)
         for i, item in enumerate(items):
             if not isinstance(item, (WeightBucket, ShmBucket, bytes, bytearray)):
                 raise TypeError(f"update_weights: bucket {i} must be a WeightBucket, ShmBucket, safetensors bytes or an object "
@@ -114,15 +117,19 @@ def _resolve_all(items: Sequence[Any]) -> list[Any]:
     return out
 
 
-def rollout_worker_actor(num_cpus: float = 1, num_gpus: float = 0, max_concurrency: int = 256, max_restarts: int = 0) -> Any:
+def rollout_worker_actor(num_cpus: float = 1, num_gpus: float = 0, max_concurrency: int = 256, max_restarts: int = 0,
+                         resources: Mapping[str, float] | None = None) -> Any:
     """The Ray actor class with resources set: `rollout_worker_actor(...).remote(config)`.
 
+    `resources`: custom Ray resources each worker requires, e.g. `{"rollout_node": 0.001}` to keep
+    workers (and their replacements after a restart) on the nodes started with that resource.
     max_restarts defaults to 0: restarts are the dispatcher's job, because a restarted engine must
     be given the latest weights before it serves again (Ray's own restart would serve the checkpoint).
     """
     import ray
 
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency, max_restarts=max_restarts)(RolloutWorkerImpl)
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency, max_restarts=max_restarts,
+                      resources=dict(resources or {}))(RolloutWorkerImpl)
 
 
 def __getattr__(name: str) -> Any:

@@ -101,7 +101,7 @@ class TrainerWorker:
 
     def export_weights(self, bucket_mb: float = 64.0, fmt: str = "fp32", transport: str = "object_store",
                        reader_nodes: Sequence[str] = ()) -> list[Any]:
-        """The current weights for a sync, in buckets of checkpoint-named tensors (rl/weights.py).
+        """The current weights for a sync, in buckets of checkpoint-named tensors (rl/weights/).
 
         `fmt` = `trainer.sync_format` ("fp32", "bf16", "mxfp4"). `transport`:
         - "object_store" (default, valid for any reader, refs stay readable as long as they live):
@@ -114,9 +114,15 @@ class TrainerWorker:
         - "auto": shm if every node in `reader_nodes` (the rollout workers' Ray node ids) is this
           actor's node and /dev/shm has room, else the object store (logged);
           $JOINTRL_SYNC_TRANSPORT overrides "auto".
+        - "nccl" (GPU only, untested on a GPU so far): no buckets; rank 0 broadcasts into the rollout
+          workers' GPUs while they receive (rl/rollout/nccl_sync.py, driven by `NcclWeightSync.sync`).
         """
         from rl.weights import WeightBucket, WeightExporter
 
+        if transport == "nccl":  # GPU only: rank 0 broadcasts over the group rl/rollout/nccl_sync.py formed; [stats] on rank 0
+            from rl.rollout.nccl_sync import trainer_broadcast
+
+            return trainer_broadcast(self, fmt)
         if self.t.rank != 0:  # rank 0 publishes; under ZeRO-3 this rank still joins each gather
             if self.t.spec.zero_stage == 3:
                 for _ in self.t.named_weights():

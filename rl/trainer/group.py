@@ -8,8 +8,10 @@ compute the update one rank would on the same batch (tests/rl/trainer/test_group
 1e-5 for ZeRO 1, 2 and 3). Every rank runs the same number of micro-batches (padding ones add
 nothing), which ZeRO-3's collective gathers need. Rank 0 publishes weights and HF checkpoints.
 
-What it does not do: restart a dead rank (a lost rank fails the step; the run resumes from its last
-checkpoint), shard the KL reference (each rank holds a frozen copy), or pipeline/tensor parallelism.
+What it does not do: restart a dead rank (a lost rank, or its node, fails the step with
+`TrainerLostError`; `jointrl train` again resumes the run from its last checkpoint), shard the KL
+reference (each rank holds a frozen copy), or pipeline/tensor parallelism. `TrainerResources.node_resource`
+keeps the bundles on the nodes started with that custom resource.
 """
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ def reduce_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float
             w = [(v, s) for v, s in vals if s > 0]
             out[k] = sum(v * s for v, s in w) / sum(s for _, s in w) if w else vals[0][0]
     return out
+
+
+class TrainerLostError(RuntimeError):
+    """A trainer rank died (its process or its node): the step cannot complete; the run resumes from its checkpoint."""
 
 
 def _free_port() -> int:
@@ -121,10 +127,25 @@ class TrainerGroup:
         n_micro = max(math.ceil(len(p) / self.micro_batch_size) for p in parts)
         return shards, n_micro
 
-    def _each(self, method: str, *args) -> list[Any]:
+    def _get(self, refs: Any) -> Any:
+        """`ray.get` of rank calls; a rank whose process or node is gone raises `TrainerLostError`."""
         import ray
+        from ray.exceptions import RayActorError
 
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        try:
+            return ray.get(refs)
+        except RayActorError as e:
+            ids = [w._actor_id.hex() for w in self.workers]
+            who = f"trainer rank {ids.index(e.actor_id)}" if e.actor_id in ids else "a trainer rank"
+            lines = [c.strip() for c in str(e).strip().splitlines()]
+            cause = " ".join(dict.fromkeys(lines[:1] + lines[-1:]))  # Ray's first and last lines: what died, and why
+            raise TrainerLostError(
+                f"{who} was lost ({type(e).__name__}: {cause}). A lost rank "
+                "fails the step, and the driver does not restart the trainer: run `jointrl train` again with the same "
+                "config to resume from the run's last checkpoint (trainer.resume=true)") from e
+
+    def _each(self, method: str, *args) -> list[Any]:
+        return self._get([getattr(w, method).remote(*args) for w in self.workers])
 
     # ------------------------------------------------------------------ the driver's calls
     def ready(self) -> dict[str, Any]:
@@ -132,9 +153,7 @@ class TrainerGroup:
         return {**info, "world_size": self.world_size}
 
     def version(self) -> int:
-        import ray
-
-        return ray.get(self.workers[0].version.remote())
+        return self._get(self.workers[0].version.remote())
 
     def submit_rl_step(self, batch: TrainBatch) -> list[Any]:
         """Start one update on every rank (non-blocking); `wait` returns the step's metrics."""
@@ -142,9 +161,7 @@ class TrainerGroup:
         return [w.rl_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]
 
     def wait(self, refs: list[Any]) -> dict[str, float]:
-        import ray
-
-        m = reduce_rank_metrics(ray.get(refs))
+        m = reduce_rank_metrics(self._get(refs))
         m["trainer/world_size"] = float(self.world_size)
         return m
 
@@ -152,23 +169,20 @@ class TrainerGroup:
         return self.wait(self.submit_rl_step(batch))
 
     def sft_step(self, batch: TrainBatch) -> dict[str, float]:
-        import ray
-
         shards, n_micro = self._shards(batch)
-        return reduce_rank_metrics(ray.get([w.sft_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]))
+        return reduce_rank_metrics(self._get([w.sft_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]))
 
     def _gather_rows(self, method: str, batch: TrainBatch):
         """A per-row result (logprobs [B, T]) computed on the ranks' shards, back in batch order."""
-        import ray
         import torch
 
         if self.world_size == 1:
-            return ray.get(getattr(self.workers[0], method).remote(batch))
+            return self._get(getattr(self.workers[0], method).remote(batch))
         parts = split_by_tokens(batch, self.world_size)
         shards, n_micro = self._shards(batch)
         padded = method in ("compute_logprobs", "values")  # forwards through a (possibly ZeRO-3) engine
         args = [(s, n_micro, pad) if padded else (s,) for s, pad in shards]
-        outs = ray.get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)])
+        outs = self._get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)])
         lp = [o[0] if method == "compute_logprobs" else o for o in outs]
         full = torch.zeros_like(batch.loss_mask_BT)
         for p, x in zip(parts, lp):
@@ -194,9 +208,7 @@ class TrainerGroup:
         self._each("set_lr", lr)
 
     def export_weights(self, *args, **kw) -> list[Any]:
-        import ray
-
-        return ray.get([w.export_weights.remote(*args, **kw) for w in self.workers])[0]
+        return self._get([w.export_weights.remote(*args, **kw) for w in self.workers])[0]
 
     def save_hf(self, out_dir: str) -> str:
         return self._each("save_hf", out_dir)[0]
@@ -215,9 +227,7 @@ class TrainerGroup:
         self._each("close_sync")
 
     def node_ids(self) -> list[str]:
-        import ray
-
-        return ray.get([w.node_id.remote() for w in self.workers])
+        return self._get([w.node_id.remote() for w in self.workers])
 
     def kill(self) -> None:
         import ray

@@ -1,0 +1,1 @@
+"""Tests of the entry-point scripts in scripts/."""
