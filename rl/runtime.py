@@ -208,7 +208,7 @@ class Runtime:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
             else:
-                ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
+                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
                          _temp_dir=os.environ.get("RAY_TMPDIR"))
         check_node_resources(cfg, with_trainer)
         check_gpu_resources(cfg, with_trainer)

@@ -76,7 +76,7 @@ def main() -> None:
     # ---- Ray actor first (its engine idles while the in-process one runs)
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     from rl.rollout.worker import rollout_worker_actor
 
     actor = rollout_worker_actor(num_cpus=0).remote(cfg)

@@ -1,50 +1,173 @@
-"""swe-v0 timings side by side: each library's suite run locally vs in a grading sandbox, and an episode's set-up.
+"""swe-v0 timings side by side: suites local vs sandboxed, grading before vs after the defences, an episode.
 
-    .venv/bin/python scripts/bench_swe.py [--repeats 3]
+    .venv/bin/python scripts/bench_swe.py [--repeats 3] [--before HEAD]
 
-Per library (pristine source): the suite's CPU and wall time in a plain subprocess (what the
-build measures against the 10 s budget), the wall time of the same suite in a fresh pristine
-bubblewrap sandbox (what grading costs), and their ratio. Then, for one small-set task: `reset`
-(sandbox + repository + git commit) and a whole reference episode including grading.
-Needs the sdists in the cache (downloads them otherwise) and root for the sandbox.
+1. Per library (pristine source): the suite's CPU and wall time in a plain subprocess (what the
+   build measures against the 10 s budget), the wall time of the same suite in a fresh pristine
+   bubblewrap sandbox (what grading costs), their ratio, and whether the runner of `--before`
+   (one process, in-process recorder) gives the same outcomes as the current one (judge + worker).
+2. Per small-set instance, with its reference fix: grading time the `--before` way (that
+   revision's `envs/swe/runner.py`, read with `git show`: one pytest process writing its own
+   result, whole `/usr` and interpreter root mounted, no edit validation, no canaries) and the
+   current way (`grader.grade`: edit validation, canaries, judge + worker, allowlisted mounts),
+   interleaved, median of `--repeats`. Both must resolve. `--before` must name a revision from
+   before the judge/worker runner (the script says so when it does not).
+3. For one small-set task: `reset` (sandbox + repository + git commit) and a whole reference
+   episode including grading.
+Needs the sdists and the small set in the cache (builds them otherwise) and root for the sandbox.
+
+    .venv/bin/python scripts/bench_swe.py --edit-sweep
+
+instead undoes every mutation of every library (what a reference fix is, for any instance a
+build could pick) and counts how many edit validation (editcheck.py) would reject: it must be 0.
+No sandbox needed; ~15 min on the shared 2-core machine.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import importlib.util
+import os
+import secrets
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
+from envs.sandbox.base import Mount  # noqa: E402
+from envs.swe import build as B  # noqa: E402
 from envs.swe import grader as G  # noqa: E402
+from envs.swe import instances as I  # noqa: E402
 from envs.swe import libraries as L  # noqa: E402
 from envs.swe.runner import run_suite_local  # noqa: E402
+from envs.swe.tasks import task_of  # noqa: E402
+
+
+def load_before(rev: str) -> ModuleType:
+    """`envs/swe/runner.py` as it was at `rev`, imported under another name."""
+    src = subprocess.run(["git", "show", f"{rev}:envs/swe/runner.py"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
+    d = Path(tempfile.mkdtemp(prefix="bench-swe-"))
+    (d / "runner_before.py").write_text(src)
+    spec = importlib.util.spec_from_file_location("runner_before", d / "runner_before.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["runner_before"] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "DRIVER_SOURCE"):
+        raise SystemExit(f"{rev}:envs/swe/runner.py already has the judge/worker runner; pass --before <older rev>")
+    return mod
+
+
+def before_runtime(before: ModuleType) -> Path:
+    """The current runtime's pytest with the old single-process driver."""
+    cur = L.ensure_runtime()
+    h = hashlib.sha256(before.DRIVER_SOURCE.encode() + str(cur).encode()).hexdigest()[:12]
+    dst = L.cache_root() / "bench-before-runtime" / h
+    if not (dst / ".complete").exists():
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(cur, dst, ignore=shutil.ignore_patterns("driver.py", "worker.py", ".complete"))
+        (dst / "driver.py").write_text(before.DRIVER_SOURCE)
+        for p in [dst, *dst.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() or p.parent.name == "bin" else 0o644)
+        (dst / ".complete").write_text("ok\n")
+    return dst
+
+
+def grade_before(backend, before: ModuleType, runtime: Path, lib: L.Library, tree, f2p, p2p) -> bool:
+    """The grading path of `--before`: its driver, whole /usr and interpreter root, no validation or canaries."""
+    base = Path(sys.base_prefix).resolve()
+    mounts = [Mount(host=runtime, inside=G.RUNTIME_INSIDE)]
+    if not str(base).startswith("/usr/"):
+        mounts.append(Mount(host=base, inside=str(base)))
+    out = f".swe-result-{secrets.token_hex(8)}.json"
+    sb = backend.open_pristine(agent=None, files=dict(tree), limits=G.GRADE_LIMITS, mounts=tuple(mounts))
+    try:
+        argv = before.driver_argv(lib, python=str(L.interpreter()), runtime=G.RUNTIME_INSIDE,
+                                  repo=sb.workdir_inside, out=f"{sb.workdir_inside}/{out}")
+        r = sb.run(argv, timeout_s=G.GRADE_TIMEOUT_S, env=before.TEST_ENV, cwd=sb.workdir_inside)
+        res = before.SuiteResult.from_json(sb.read_artifact(out, max_bytes=32 << 20), exit_code=r.exit_code,
+                                           duration_s=r.duration_s)
+    finally:
+        sb.close()
+    return not res.not_passed(f2p) and not res.not_passed(p2p)
+
+
+def grade_now(backend, lib: L.Library, task) -> bool:
+    start = I.agent_repo(task)
+    path = task.private["mutation"]["path"]
+    lib_files = {p: b for p, b in start.items() if lib.is_library_path(p)}
+    lib_files[path] = I.pristine(lib.name)[path]
+    edits = G.AgentEdits(lib_files, (path,), ())
+    v = G.grade(backend, lib, start, edits, I.grading_tree(task, lib_files), task.private["fail_to_pass"],
+                task.private["pass_to_pass"])
+    return v.resolved
+
+
+def edit_sweep() -> int:
+    from envs.swe import editcheck as E
+    from envs.swe.mutate import enumerate_mutations
+
+    total_bad = 0
+    for name in L.LIBRARIES:
+        lib = L.get_library(name)
+        files = L.source_files(lib)
+        n = bad = 0
+        t0 = time.monotonic()
+        for path in L.mutable_files(lib, files):
+            text = files[path].decode("utf-8")
+            for m in enumerate_mutations(path, text):
+                start = dict(files)
+                start[path] = m.apply(text).encode("utf-8")
+                r = E.check_edits(lib, start, {path: files[path]})
+                n += 1
+                if not r.ok:
+                    bad += 1
+                    print(f"  rejected: {lib.key} {m.kind} {m.function}: {r.rejections[0].render()}")
+        total_bad += bad
+        print(f"{lib.key:<22} reference fixes {n:>5}  rejected {bad}  ({time.monotonic() - t0:.0f} s)")
+    return 1 if total_bad else 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--before", default="HEAD", help="revision whose runner is the 'before' (one-process) path")
+    ap.add_argument("--edit-sweep", action="store_true", help="only: validate the undoing of every mutation")
     a = ap.parse_args()
+    if a.edit_sweep:
+        return edit_sweep()
     from envs.sandbox.bwrap import BwrapBackend
 
+    before = load_before(a.before)
+    old_rt = before_runtime(before)
     backend = BwrapBackend()
     runtime, python = L.ensure_runtime(), L.interpreter()
-    print(f"{'library':<22}{'tests':>6}{'local cpu s':>13}{'local wall s':>14}{'sandbox wall s':>16}{'sandbox/local':>15}")
+    med = statistics.median
+    print(f"load average: {os.getloadavg()[0]:.2f}")
+    print(f"{'library':<22}{'tests':>6}{'local cpu s':>13}{'local wall s':>14}{'sandbox wall s':>16}"
+          f"{'sandbox/local':>15}{'same as before':>16}")
     for name in L.LIBRARIES:
         lib = L.get_library(name)
         files = L.grading_files(lib, L.source_files(lib))
         cpu, wall, box = [], [], []
-        n = 0
+        n, same = 0, True
         for _ in range(a.repeats):
             with tempfile.TemporaryDirectory() as td:
                 for rel, data in files.items():
                     (Path(td) / rel).parent.mkdir(parents=True, exist_ok=True)
                     (Path(td) / rel).write_bytes(data)
                 r = run_suite_local(lib, Path(td), runtime, python)
+                rb = before.run_suite_local(lib, Path(td), old_rt, python)
+            same = same and r.ok and rb.ok and dict(r.outcomes) == dict(rb.outcomes)
             cpu.append(r.cpu_s)
             wall.append(r.duration_s)
             n = len(r.passed())
@@ -52,8 +175,30 @@ def main() -> int:
             rs = G.run_in_sandbox(backend, lib, files)
             box.append(time.monotonic() - t0)
             assert rs.ok and rs.passed() == r.passed(), f"{name}: sandbox and local outcomes differ"
-        med = statistics.median
-        print(f"{lib.key:<22}{n:>6}{med(cpu):>13.2f}{med(wall):>14.2f}{med(box):>16.2f}{med(box) / med(wall):>15.2f}")
+        print(f"{lib.key:<22}{n:>6}{med(cpu):>13.2f}{med(wall):>14.2f}{med(box):>16.2f}{med(box) / med(wall):>15.2f}"
+              f"{'yes' if same else 'NO':>16}")
+
+    small = B.ensure_built(B.SMALL, log=lambda *x: None)
+    print(f"\ngrading per small-set instance (reference fix), before = {a.before}'s runner, median of {a.repeats}:")
+    print(f"{'instance':<58}{'before s':>10}{'after s':>10}{'after/before':>14}")
+    ratios = []
+    for inst in small:
+        task = task_of(inst)
+        lib = I.task_library(task)
+        lib_files = {p: b for p, b in I.agent_repo(task).items() if lib.is_library_path(p)}
+        lib_files[inst.mutation.path] = I.pristine(lib.name)[inst.mutation.path]
+        tree = I.grading_tree(task, lib_files)
+        tb, tn = [], []
+        for _ in range(a.repeats):
+            t0 = time.monotonic()
+            assert grade_before(backend, before, old_rt, lib, tree, inst.fail_to_pass, inst.pass_to_pass), inst.instance_id
+            tb.append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            assert grade_now(backend, lib, task), inst.instance_id
+            tn.append(time.monotonic() - t0)
+        ratios.append(med(tn) / med(tb))
+        print(f"{inst.instance_id[:57]:<58}{med(tb):>10.2f}{med(tn):>10.2f}{ratios[-1]:>14.2f}")
+    print(f"after/before: median {med(ratios):.2f}x, max {max(ratios):.2f}x (budget 1.5x)")
 
     import envs
     from envs.play import ScriptedPolicy, run_episode
@@ -74,9 +219,9 @@ def main() -> int:
         env.close()
         assert tr.grade.reward == 1.0, tr.grade
     print(f"\nepisode on {task.id}:")
-    print(f"  reset (sandbox + repo + git commit): {statistics.median(resets):.2f} s")
-    print(f"  reference episode incl. grading:     {statistics.median(episodes):.2f} s "
-          f"({statistics.median(episodes) / statistics.median(resets):.1f}x reset)")
+    print(f"  reset (sandbox + repo + git commit): {med(resets):.2f} s")
+    print(f"  reference episode incl. grading:     {med(episodes):.2f} s ({med(episodes) / med(resets):.1f}x reset)")
+    print(f"load average: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -116,7 +116,7 @@ def run(iters: int = 3, memory_model: str = "small") -> None:
     setup_cache_env()
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"))
     try:
         r = bench_ranks(iters)
         print(f"\n== RL update, tiny HybridMoe, 16 x 256 tokens, ZeRO-1, median of {iters}")

@@ -259,7 +259,7 @@ def test_engine_builds_with_nccl_weight_transfer(tiny_qwen_moe):
     from rl.rollout.engine import EngineConfig, GenerateRequest
     from rl.rollout.worker import rollout_worker_actor
 
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         ecfg = EngineConfig(model_path=str(tiny_qwen_moe), max_model_len=1024, gpu_memory_utilization=0.3, weight_transfer="nccl")
         h = rollout_worker_actor(num_gpus=1).remote(ecfg)

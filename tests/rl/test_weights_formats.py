@@ -92,7 +92,7 @@ def test_buckets_cross_ray_and_are_read_in_place():
     m = random_qwen3_moe()
     ckpt = to_checkpoint_format(m.state_dict(), "qwen3_moe")
     buckets = make_buckets(m.state_dict(), "qwen3_moe", bucket_mb=64, copy=False)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         (b,) = ray.get([ray.put(bk) for bk in buckets])
         assert isinstance(b, WeightBucket)
@@ -148,7 +148,7 @@ def worker_and_ray(setup):
     from rl.rollout.engine import EngineConfig
     from rl.rollout.worker import RolloutWorkerImpl
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     w = RolloutWorkerImpl(EngineConfig(model_path=str(setup["ckpt"]), dtype="float32", max_model_len=256, kv_cache_gib=0.25, seed=0))
     yield w
     w.shutdown()

@@ -34,7 +34,7 @@ def cluster(tmp_path_factory):
     ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("moe"), TinyModelSpec(kind="qwen3_moe", seed=5))
     ref = run_reference(ReferenceJob(checkpoint=str(ckpt), out_dir=str(tmp_path_factory.mktemp("ref")), sequences=SEQS,
                                      prompts=PROMPTS, greedy_new_tokens=10, num_steps=1, perturb_scale=0.1))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = EngineConfig(model_path=str(ckpt), dtype="float32", max_model_len=512, kv_cache_gib=0.25)
     actor = rollout_worker_actor(num_cpus=0)
     disp = RolloutDispatcher(lambda: actor.remote(cfg), n=2)

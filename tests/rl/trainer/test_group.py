@@ -53,7 +53,7 @@ def ray_local():
     setup_cache_env()
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=os.environ.get("RAY_TMPDIR"))
     yield
     ray.shutdown()
 
