@@ -12,7 +12,9 @@ What one sandbox (`BwrapBackend.open`) gives, and how:
   `/dev/shm`); a private size-limited `/tmp`; and `/work`, a host directory on a size- and
   inode-limited tmpfs the host mounted for this slot. It persists across `run` calls until
   `close()`. The repo, `/root`, `/home` and the grader's files are simply never mounted. Extra
-  read-only `Mount`s (a venv, a cache) only when asked.
+  read-only `Mount`s (a venv, a cache) only when asked. A caller that must not see all of `/usr`
+  (the SWE domain: vendored copies of its libraries live in dist-packages) passes a `UsrView`: only
+  its allowlisted subpaths are bound, and its `hide` paths are covered by empty read-only mounts.
 * **No network.** Own net namespace (loopback only) and a seccomp filter refusing AF_INET/AF_INET6
   sockets; DNS fails because there is neither a resolver config nor an inet socket.
 * **Seccomp** (`seccomp.py`): nested namespaces, ptrace, mount, bpf, io_uring, keyctl, inet sockets.
@@ -94,6 +96,34 @@ class BwrapConfig:
         "magic", "magic.mime", "mime.types", "protocols", "services", "os-release", "debian_version",
         "python3", "python3.11", "python3.12", "bash.bashrc", "inputrc", "timezone", "locale.alias",
     )
+
+
+@dataclass(frozen=True)
+class UsrView:
+    """Which parts of the host's `/usr` a sandbox sees (the default, None, is all of it).
+
+    allow: paths under /usr bound read-only at their own path (missing ones are skipped); they
+        must include what the executor needs: `BwrapConfig.python`, its standard library and the
+        shared libraries it loads.
+    hide: paths under allowed ones covered by an empty read-only directory (or /dev/null for a
+        file), e.g. a `site-packages` inside an allowed standard-library directory.
+    """
+
+    allow: tuple[str, ...]
+    hide: tuple[str, ...] = ()
+
+    def validated(self) -> "UsrView":
+        def norm(p: str) -> str:
+            q = os.path.normpath(p) if isinstance(p, str) else ""
+            if not q.startswith("/usr/") or "/.." in q:
+                raise ValueError(f"UsrView paths must be below /usr, got {p!r}")
+            return q
+        allow = tuple(sorted({norm(p) for p in self.allow}))
+        hide = tuple(sorted({norm(p) for p in self.hide}))
+        for h in hide:
+            if not any(h.startswith(a + "/") for a in allow):
+                raise ValueError(f"UsrView.hide {h!r} is not below an allowed path")
+        return UsrView(allow=allow, hide=hide)
 
 
 @dataclass
@@ -195,15 +225,16 @@ class BwrapBackend(SandboxBackend):
     # ------------------------------------------------------------------ public API
 
     def open(self, *, limits: SandboxLimits = SandboxLimits(), files: Mapping[str, bytes] | None = None,
-             mounts: tuple[Mount, ...] = (), network: bool = False) -> "BwrapSandbox":
+             mounts: tuple[Mount, ...] = (), network: bool = False, usr: UsrView | None = None) -> "BwrapSandbox":
+        """`SandboxBackend.open`; `usr` (bubblewrap only) narrows the read-only `/usr` to an allowlist."""
         if network:
             raise SandboxUnavailable("BwrapBackend has no network mode: sandboxes get their own empty net namespace")
-        return self._open(limits=limits, files=files, mounts=mounts)
+        return self._open(limits=limits, files=files, mounts=mounts, usr=usr)
 
     def open_pristine(self, *, agent: Sandbox | Mapping[str, bytes] | None, files: Mapping[str, bytes] | None = None,
                       limits: SandboxLimits = SandboxLimits(), mounts: tuple[Mount, ...] = (),
                       agent_dir: str = "/agent", max_agent_files: int = 10_000,
-                      max_agent_file_bytes: int = 32 * MiB) -> "BwrapSandbox":
+                      max_agent_file_bytes: int = 32 * MiB, usr: UsrView | None = None) -> "BwrapSandbox":
         """`SandboxBackend.open_pristine` (see its contract in base.py), the bubblewrap way.
 
         The root is the host's read-only `/usr` (PATH `/usr/local/bin:/usr/bin:/bin`), `files` go
@@ -236,18 +267,20 @@ class BwrapBackend(SandboxBackend):
                     box.agent_copy = report
 
         return self._open(limits=replace(limits, workdir_mb=size_mb), files=files, mounts=mounts,
-                          populate=populate, agent_inside=agent_inside, pristine=True)
+                          populate=populate, agent_inside=agent_inside, pristine=True, usr=usr)
 
     # ------------------------------------------------------------------ internals
 
     def _open(self, *, limits: SandboxLimits, files: Mapping[str, bytes] | None, mounts: tuple[Mount, ...],
-              populate=None, agent_inside: str | None = None, pristine: bool = False) -> "BwrapSandbox":
+              populate=None, agent_inside: str | None = None, pristine: bool = False,
+              usr: UsrView | None = None) -> "BwrapSandbox":
         _validate_limits(limits)
         binds = [_validate_mount(m) for m in mounts]
+        usr = usr.validated() if usr is not None else None
         slot = self._slots.acquire()
         box: BwrapSandbox | None = None
         try:
-            box = BwrapSandbox(self, slot, limits, binds, agent_inside=agent_inside, pristine=pristine)
+            box = BwrapSandbox(self, slot, limits, binds, agent_inside=agent_inside, pristine=pristine, usr=usr)
             if populate is not None:
                 populate(box)
             for rel, data in (files or {}).items():
@@ -312,7 +345,8 @@ class BwrapSandbox(Sandbox):
     """One episode's sandbox. Thread-safe: `run` calls are serialised; `close` may come from any thread."""
 
     def __init__(self, backend: BwrapBackend, slot: hostctl.Slot, limits: SandboxLimits,
-                 binds: list[tuple[str, str]], *, agent_inside: str | None, pristine: bool) -> None:
+                 binds: list[tuple[str, str]], *, agent_inside: str | None, pristine: bool,
+                 usr: UsrView | None = None) -> None:
         self.backend = backend
         self.config = backend.config
         self.limits = limits
@@ -320,6 +354,7 @@ class BwrapSandbox(Sandbox):
         self.pristine = pristine
         self._slot = slot
         self._binds = binds
+        self._usr = usr
         self._agent_inside = agent_inside
         self._lock = threading.Lock()
         self._sig_lock = threading.Lock()
@@ -396,7 +431,7 @@ class BwrapSandbox(Sandbox):
         cfg, lim = self.config, self.limits
         a = [cfg.bwrap, "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-net", "--unshare-ipc",
              "--unshare-uts", "--unshare-cgroup-try", "--uid", str(self.uid), "--gid", str(self.uid),
-             "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+             "--hostname", "sandbox"] + self._usr_args()
         for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
             if os.path.islink(top):
                 a += ["--symlink", os.readlink(top), top]
@@ -422,6 +457,31 @@ class BwrapSandbox(Sandbox):
               "--as-pid-1", "--seccomp", str(fds["seccomp"]), "--info-fd", str(fds["info"]),
               "--block-fd", str(fds["block"]),
               "--", cfg.python, "-I", "-S", "/.executor.py", str(fds["ctl"])]
+        return a
+
+    def _usr_args(self) -> list[str]:
+        if self._usr is None:
+            return ["--ro-bind", "/usr", "/usr"]
+        a = ["--perms", "0755", "--dir", "/usr"]
+        made = {"/usr"}
+        for p in self._usr.allow:
+            if not os.path.lexists(p):
+                continue
+            parent = os.path.dirname(p)
+            chain = []
+            while parent not in made:  # parents bwrap would otherwise create 0700
+                chain.append(parent)
+                parent = os.path.dirname(parent)
+            for d in reversed(chain):
+                a += ["--perms", "0755", "--dir", d]
+                made.add(d)
+            a += ["--ro-bind", p, p]
+            made.add(p)
+        for h in self._usr.hide:
+            if os.path.isdir(h) and not os.path.islink(h):
+                a += ["--perms", "0555", "--size", "4096", "--tmpfs", h, "--remount-ro", h]
+            elif os.path.lexists(h):
+                a += ["--ro-bind", "/dev/null", h]
         return a
 
     def _start(self) -> None:

@@ -10,7 +10,8 @@ Tools: `bash`, `view(path, line_range)`, `str_replace(path, old, new)`, `run_tes
 (visible tests only: the hidden ones are not in the sandbox) and `submit()`.
 
 Grading (grader.py): only the agent's edits to library files are applied to a clean tree with the
-original tests, and the suite runs in a fresh pristine sandbox. Reward: `resolved` (every
+original tests, once editcheck.py has accepted them, and the suite runs in a fresh pristine
+sandbox. Both sandboxes see only the allowlisted host files of mounts.py. Reward: `resolved` (every
 FAIL_TO_PASS and PASS_TO_PASS test passes) minus 0.1 x the malformed-call fraction; the
 FAIL_TO_PASS fraction and PASS_TO_PASS breakage are metrics. Truncated or errored episodes score 0.
 
@@ -27,6 +28,7 @@ from envs.sandbox.base import Sandbox, SandboxBackend, SandboxLimits
 from envs.swe import grader as G
 from envs.swe import instances as I
 from envs.swe import libraries as L
+from envs.swe import mounts as M
 from envs.swe.runner import TEST_ENV, driver_argv
 from envs.tools import ToolArgError, ToolContext, tool
 from jointrl.records import Message, Task
@@ -72,10 +74,10 @@ class SweDomain(Domain):
         try:
             self.lib = I.task_library(task)
             self.start = I.agent_repo(task)
-            mounts = G.test_mounts()
+            M.test_mounts()  # the runtime is assembled here, so a failure is a set-up error
         except Exception as e:  # noqa: BLE001 - a missing cache / bad task cannot start an episode
             raise EnvSetupError(f"task {task.id}: cannot prepare the repository: {type(e).__name__}: {e}") from e
-        self.sandbox = self.backend.open(limits=self.sandbox_limits, files=self.start, mounts=mounts)
+        self.sandbox = M.open_sandbox(self.backend, limits=self.sandbox_limits, files=self.start)
         r = self.sandbox.run(GIT_SETUP, timeout_s=SETUP_TIMEOUT_S, env=GIT_ENV, cwd=self.sandbox.workdir_inside)
         if r.exit_code != 0 or r.timed_out:
             raise EnvSetupError(f"task {task.id}: git set-up failed (exit {r.exit_code}): {r.stderr[-2000:]}")
@@ -214,8 +216,8 @@ class SweDomain(Domain):
             raise RuntimeError("check() without a sandbox (set-up failed or the env was closed)")
         edits = G.collect_edits(self.lib, self.start, self.sandbox)
         tree = I.grading_tree(task, edits.library_files)
-        result = G.run_in_sandbox(self.backend, self.lib, tree, limits=self.grade_limits)
-        return G.verdict(result, task.private["fail_to_pass"], task.private["pass_to_pass"], edits).checks()
+        return G.grade(self.backend, self.lib, self.start, edits, tree, task.private["fail_to_pass"],
+                       task.private["pass_to_pass"], limits=self.grade_limits).checks()
 
     def teardown(self) -> None:
         sb, self.sandbox = self.sandbox, None

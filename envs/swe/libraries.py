@@ -5,9 +5,10 @@ Each `Library` names a small pure-Python project whose source distribution ships
 sdist with `pip download --no-binary NAME --no-deps` into the cache (`$JOINTRL_CACHE/swe` or
 `.cache/swe`), checks its sha256 and unpacks it once; nothing from these projects is committed to
 this repository. `ensure_runtime()` assembles the *test runtime*: a directory holding pytest and
-its pure-Python dependencies copied out of the project's venv, plus `driver.py` (runner.py), so a
-sandbox can run pytest from a read-only mount without the venv's site-packages (which hold other
-copies of cachetools / more-itertools that a deleted package would silently fall back to).
+its pure-Python dependencies copied out of the project's venv, plus `driver.py` and `worker.py`
+(runner.py: the judge and the worker), so a sandbox can run pytest from a read-only mount
+without the venv's site-packages (which hold other copies of cachetools / more-itertools that a
+deleted package would silently fall back to).
 
 What this module does not do: inject bugs (mutate.py), run or validate suites (runner.py,
 build.py), or grade (grader.py).
@@ -227,18 +228,11 @@ def interpreter() -> Path:
     return exe
 
 
-def interpreter_mount_root() -> Path | None:
-    """The directory to mount read-only at its own path so `interpreter()` runs in a sandbox
-    (its shared libpython is found through an absolute rpath); None when it lives under /usr."""
-    base = Path(sys.base_prefix).resolve()
-    return None if str(base).startswith("/usr/") else base
-
-
 def ensure_runtime() -> Path:
-    """`<cache>/swe/runtime/<layout>-<hash>/{site/, driver.py}`: pytest and friends + the driver."""
+    """`<cache>/swe/runtime/<layout>-<hash>/{site/, driver.py, worker.py}`: pytest and friends + the judge and worker."""
     from envs.swe import runner
 
-    files: dict[str, bytes] = {"driver.py": runner.DRIVER_SOURCE.encode()}
+    files: dict[str, bytes] = {"driver.py": runner.JUDGE_SOURCE.encode(), "worker.py": runner.WORKER_SOURCE.encode()}
     # Wrappers for the agent's shell: `python` / `pytest` run the project's interpreter with the
     # runtime on PYTHONPATH (set by the domain). Their content names the interpreter's path, so
     # the runtime's hash changes with the machine's interpreter.

@@ -1,34 +1,50 @@
 """Running a library's test suite the same way at build time, in the agent's sandbox and at grading.
 
-The suite always runs through `driver.py` (the `DRIVER_SOURCE` below, installed in the test
-runtime by `libraries.ensure_runtime`) under the project's base interpreter with
+Two processes per run, so that the outcome is decided where library code never runs:
 
-    python -B -s -S -P driver.py --site <pytest runtime> --import-root <repo[/src]> --rootdir <repo> ...
+* the **judge** (`driver.py`, `JUDGE_SOURCE` below): standard library only; it never imports
+  pytest nor anything from the repository. It reads a per-run key from stdin (only when it must
+  write a result), makes itself non-dumpable (a same-uid process cannot read its memory or open
+  its fds through /proc), starts the worker on a pipe, turns the worker's per-test reports into
+  outcomes, checks that the report stream is complete and agrees with the worker's real exit
+  status, and writes the result file, authenticated with HMAC-SHA256 under the key.
+* the **worker** (`worker.py`, `WORKER_SOURCE`): imports pytest from the runtime *before* the
+  repository is on sys.path (a `pytest.py` or `_pytest/` in the repository cannot stand in for
+  it), installs its guards, runs the suite with a plugin that streams each test's reports,
+  failure text, last traceback frames and location as JSON lines on an inherited pipe, and
+  holds no key.
+
+    python -B -s -S -P driver.py --worker <runtime>/worker.py --site <runtime>/site
+        --import-root <repo[/src]> --rootdir <repo> [--out F] ...
 
 * `-S`: no `site` import, so no `.pth` file and no `sitecustomize` / `usercustomize` runs;
   `-s`: no user site; `-P`: the script's directory is not put on sys.path; `-B`: no bytecode.
   (`-I` would also drop PYTHON* variables such as PYTHONHASHSEED, which we set on purpose; the
   environment is passed explicitly instead, so the agent cannot add to it.)
-* The driver imports pytest from the runtime *before* the repository goes on sys.path, so a
-  `pytest.py` or `_pytest/` in the repository cannot stand in for it.
 * pytest gets `-p no:cacheprovider --noconftest -c /dev/null --rootdir <repo>`: no cache
   directory, no `conftest.py` anywhere has an effect, and no `pytest.ini` / `setup.cfg` /
   `tox.ini` / `pyproject.toml` configures the run.
-* A small plugin records each test's outcome, the failure's exception text and last traceback
-  frames (for issue text), and where each test function is defined (for hiding tests), and
-  writes them as JSON to `--out` at the end. A process that dies before the end writes nothing:
-  the caller sees no results, never a pass.
 
-What this does not stop: code in the library under test runs inside the pytest process, so a
-library edit that monkeypatches pytest at import could forge outcomes. Grading limits what an
-agent can change (library `.py` files only) but does not detect such code.
+What the split buys: library code can no longer write, wrap or forge the result (the writer and
+the key live in the judge), nor end the run early with a result of its choosing (a worker that
+dies, exits with a status its reports contradict, or stops mid-test yields no pass). What it does
+not buy: the worker runs the tests and the library in one interpreter, so code that reaches
+pytest's objects from inside could still make pytest *report* a pass. That is closed before the
+suite runs, by validating the agent's edit (editcheck.py: no module-level code, no references to
+the test machinery); refused while it runs, by the worker's audit hook (frames, heap walks,
+tracing, processes, raw fds from library code) and import guard (library code may not import
+pytest, pluggy or the worker by name); and detected afterwards by canary tests that must fail
+(grader.py). The worker reports every refusal; the judge passes them on as `denied`.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import resource
+import secrets
 import subprocess
 import tempfile
 import time
@@ -43,14 +59,319 @@ from envs.swe.libraries import Library
 TEST_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TZ": "UTC",
             "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
 
-DRIVER_SOURCE = r'''"""jointrl swe-v0 test driver: runs pytest with a result-recording plugin (see envs/swe/runner.py)."""
+# pytest's exit codes after which the reports describe the whole selection: 0 all passed, 1 some
+# failed, 2 collection errors, 5 nothing collected. Anything else (3 internal error, 4 usage, a
+# signal) is a run that did not finish.
+FINISHED_EXIT_CODES = (0, 1, 2, 5)
+
+JUDGE_SOURCE = r'''"""jointrl swe-v0 test judge: runs worker.py, decides outcomes, writes the result (see envs/swe/runner.py).
+
+Standard library only; it never imports pytest or the repository under test."""
 import argparse
-import inspect
-import dataclasses
+import ctypes
+import hashlib
+import hmac
 import json
 import os
-import resource
+import select
+import subprocess
 import sys
+
+MAX_EVENT_BYTES = 64 << 20
+PR_SET_DUMPABLE = 4
+FINISHED = (0, 1, 2, 5)
+
+
+def read_key():
+    buf = b""
+    while not buf.endswith(b"\n") and len(buf) < 256:
+        chunk = os.read(0, 256 - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    key = bytes.fromhex(buf.decode("ascii", "replace").strip())
+    if len(key) < 16:
+        raise SystemExit("judge: --out needs a key of >= 16 bytes on stdin")
+    return key
+
+
+def collect(proc, r):
+    """All event bytes the worker wrote, until it exits (children it left behind cannot hold us)."""
+    data = bytearray()
+    over = False
+    while True:
+        exited = proc.poll() is not None
+        ready, _, _ = select.select([r], [], [], 0 if exited else 0.5)
+        if ready:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            if len(data) + len(chunk) > MAX_EVENT_BYTES:
+                over = True
+                proc.kill()
+            else:
+                data += chunk
+        elif exited:
+            break
+    return bytes(data), over
+
+
+def reduce(lines, worker_exit):
+    """Outcomes from the report stream, or (None, why) when the stream cannot be believed."""
+    try:
+        return _reduce(lines, worker_exit)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a report with missing or mistyped fields
+        return None, "malformed report line"
+
+
+def _reduce(lines, worker_exit):
+    outcomes, failures, locations, collect_errors, denied = {}, {}, {}, [], []
+    opened, closed = set(), set()
+    done = None
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            ev = json.loads(raw)
+            kind = ev["k"]
+        except Exception:
+            return None, "malformed report line"
+        if done is not None:
+            return None, "reports after the end of the run"
+        if kind == "loc":
+            locations[str(ev["nid"])] = [str(ev["path"]), int(ev["line"])]
+        elif kind == "collect_error":
+            collect_errors.append({"nodeid": str(ev["nid"]), "message": str(ev["message"])[-3000:]})
+        elif kind == "fail":
+            nid = str(ev["nid"])
+            if nid not in failures:
+                failures[nid] = {"when": str(ev["when"]), "message": str(ev["message"])[:2000],
+                                 "frames": [[str(p), int(n), str(f)] for p, n, f in ev["frames"]][-4:]}
+        elif kind == "rep":
+            nid, when, outcome = str(ev["nid"]), str(ev["when"]), str(ev["outcome"])
+            if when not in ("setup", "call", "teardown") or outcome not in ("passed", "failed", "skipped"):
+                return None, "unknown report"
+            if when == "setup":
+                if nid in opened:
+                    return None, "test reported twice"
+                opened.add(nid)
+            elif nid not in opened or nid in closed:
+                return None, "report outside a test's setup/teardown"
+            if when == "teardown":
+                closed.add(nid)
+            if when == "call":
+                if ev.get("xfail"):
+                    outcome = "xfailed" if outcome == "skipped" else "xpassed"
+                if outcomes.get(nid) != "error":
+                    outcomes[nid] = outcome
+            elif outcome == "failed":
+                outcomes[nid] = "error"
+            elif outcome == "skipped" and when == "setup":
+                outcomes[nid] = "skipped"
+        elif kind == "denied":
+            denied.append("%s at %s" % (str(ev["event"])[:100], str(ev["where"])[:300]))
+        elif kind == "done":
+            done = int(ev["exit"])
+        else:
+            return None, "unknown report kind"
+    if done is None:
+        return None, "the worker stopped before the end of the run (exit %s)" % worker_exit
+    if done != worker_exit:
+        return None, "the worker reported exit %d but exited with %s" % (done, worker_exit)
+    if worker_exit not in FINISHED:
+        return None, "the run did not finish (exit %s)" % worker_exit
+    if opened != closed:
+        return None, "a test started but never finished"
+    bad = [v for v in outcomes.values() if v in ("failed", "error")] or collect_errors
+    if bad and worker_exit == 0:
+        return None, "exit 0 with failing tests"
+    if not bad and worker_exit in (1, 2):
+        return None, "exit %d with no failing test" % worker_exit
+    for nid in opened:  # a test whose setup passed but that has no call report did not pass
+        outcomes.setdefault(nid, "error")
+    return {"exit_code": worker_exit, "outcomes": outcomes, "failures": failures, "locations": locations,
+            "collect_errors": collect_errors, "denied": denied[:100]}, None
+
+
+def write_result(path, key, body):
+    data = body.encode()
+    mac = hmac.new(key, data, hashlib.sha256).hexdigest().encode()
+    try:
+        os.unlink(path)  # whatever the worker may have put there (a file, a symlink)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(mac + b"\n" + data)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--site", required=True)
+    ap.add_argument("--import-root", required=True)
+    ap.add_argument("--rootdir", required=True)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--library-dir", action="append", default=[])
+    ap.add_argument("--deselect", action="append", default=[])
+    ap.add_argument("selectors", nargs="*")
+    a = ap.parse_args()
+    # Before anything secret is in memory: no same-uid process may read it or our fds via /proc.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    key = read_key() if a.out else None
+    r, w = os.pipe()
+    argv = [sys.executable, "-B", "-s", "-S", "-P", a.worker, "--site", a.site, "--import-root", a.import_root,
+            "--rootdir", a.rootdir, "--events-fd", str(w)]
+    for d in a.library_dir:
+        argv += ["--library-dir", d]
+    for d in a.deselect:
+        argv += ["--deselect", d]
+    proc = subprocess.Popen(argv + ["--"] + a.selectors, stdin=subprocess.DEVNULL, pass_fds=(w,))
+    os.close(w)
+    data, over = collect(proc, r)
+    os.close(r)
+    code = proc.wait()
+    if over:
+        result, why = None, "more than %d bytes of reports" % MAX_EVENT_BYTES
+    else:
+        result, why = reduce(data.decode("utf-8", "replace").split("\n"), code)
+    if key is not None:
+        body = {"ok": result is not None, "problem": why, **(result or {"exit_code": code})}
+        write_result(a.out, key, json.dumps(body))
+    return code if 0 <= code < 256 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+WORKER_SOURCE = r'''"""jointrl swe-v0 test worker: pytest with a plugin streaming reports to the judge (see envs/swe/runner.py).
+
+It holds no key and writes no result: the judge decides from these reports and our exit status."""
+import argparse
+import inspect
+import json
+import os
+import sys
+
+
+# Audit events that library code has no business raising: frames, tracing, heap walks, code
+# objects, processes, raw fds. Denied (the call raises) when the first frame outside the standard
+# library that raised it is library code; reported to the judge either way.
+DENY_FIRST_OUTSIDE_STDLIB = frozenset({
+    "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook", "gc.get_objects",
+    "gc.get_referrers", "gc.get_referents", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+    "os.forkpty", "os.kill", "os.killpg", "subprocess.Popen", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
+    "ctypes.cdata", "ctypes.call_function", "ctypes.addressof", "ctypes.string_at", "builtins.input",
+    "socket.__new__",
+})
+# Raised by the stdlib on a library's behalf (namedtuple, enum, dataclasses at import; the import
+# system unmarshals bytecode when a library imports a module lazily): denied only when library
+# code itself is the immediate caller.
+DENY_IMMEDIATE = frozenset({"sys._getframe", "exec", "compile", "object.__getattr__", "object.__setattr__",
+                            "marshal.loads", "code.__new__", "function.__new__"})
+# Modules library code may not import by name (`__import__`, `importlib.import_module`, or a
+# library helper that imports what it is told, such as toolz's pickling support): the test
+# framework and this worker.
+PROTECTED_MODULES = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "__main__", "py"})
+FRAME_ATTRS = frozenset({"f_code", "tb_frame", "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code",
+                         "__code__", "f_back", "f_globals", "f_locals"})
+FRAME_HELPERS = frozenset({"currentframe", "stack", "getouterframes", "trace", "getframeinfo", "extract_stack",
+                           "walk_stack", "format_stack", "print_stack"})
+
+
+def guard(emit, library_dirs, stdlib):
+    """Install the audit hook (it cannot be removed once added)."""
+    import _thread
+
+    getframe = sys._getframe
+    watched = DENY_FIRST_OUTSIDE_STDLIB | DENY_IMMEDIATE | {"open"}
+    state = _thread._local()  # per thread: reading f_code below raises an audit event of its own
+
+    def is_library(f):
+        fn = f.f_code.co_filename
+        if not any(fn.startswith(d) for d in library_dirs):
+            return False
+        name = os.path.basename(fn)
+        return not (name.startswith("test_") or name == "conftest.py" or "/tests/" in fn or "/test/" in fn)
+
+    def is_stdlib(f):
+        fn = f.f_code.co_filename
+        return fn.startswith(stdlib) or fn.startswith("<frozen")
+
+    def hook(event, args, watched=watched, frame_attrs=FRAME_ATTRS):
+        # Called for every audit event of the run (cachetools' suite alone raises 130,000
+        # `builtins.id`): the first test must stay one local set lookup.
+        if event not in watched:
+            return
+        if event[:7] == "object." and (len(args) < 2 or args[1] not in frame_attrs):
+            return
+        if event == "open" and not (args and (isinstance(args[0], int) or (
+                isinstance(args[0], (str, bytes)) and os.fsdecode(args[0]).startswith(("/proc", "/dev/fd"))))):
+            return
+        if getattr(state, "busy", False):
+            return
+        state.busy = True
+        try:
+            check(event, args, getframe(1))  # the caller of the audited function
+        finally:
+            state.busy = False
+
+    def check(event, args, f):
+        deny = False
+        if event in DENY_IMMEDIATE:
+            g = f
+            if event == "sys._getframe" and f is not None and f.f_code.co_name in FRAME_HELPERS and is_stdlib(f):
+                g = f.f_back  # inspect.currentframe() and friends, called by the library
+            deny = g is not None and is_library(g)
+        else:
+            g = f
+            while g is not None and is_stdlib(g):
+                g = g.f_back
+            deny = g is not None and is_library(g)
+        if deny:
+            where = "%s:%d" % (g.f_code.co_filename, g.f_lineno)
+            emit(k="denied", event=event, where=where)
+            raise RuntimeError("jointrl: %s from library code is not allowed (%s)" % (event, where))
+
+    sys.addaudithook(hook)
+
+    import builtins
+    import importlib
+
+    real_import, real_import_module = builtins.__import__, importlib.import_module
+    modules = sys.modules
+
+    def refuse_import(name):
+        f = getframe(2)  # the frame that asked for the import
+        while f is not None and is_stdlib(f):
+            f = f.f_back
+        if f is not None and is_library(f):
+            where = "%s:%d" % (f.f_code.co_filename, f.f_lineno)
+            emit(k="denied", event="import " + name[:100], where=where)
+            raise ImportError("jointrl: library code may not import %s (%s)" % (name, where))
+
+    def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and isinstance(name, str) and name.partition(".")[0] in PROTECTED_MODULES:
+            # pytest imports its own modules inside functions (~12,000 times per suite): an
+            # `import` statement names its module's globals, so those need no frame walk.
+            importer = globals.get("__name__") if type(globals) is dict else None
+            module = modules.get(importer) if isinstance(importer, str) else None
+            if not (module is not None and importer.partition(".")[0] in PROTECTED_MODULES
+                    and getattr(module, "__dict__", None) is globals):  # a real module's, not a made-up dict
+                refuse_import(name)
+        return real_import(name, globals, locals, fromlist, level)
+
+    def guarded_import_module(name, package=None):
+        if isinstance(name, str) and name.partition(".")[0] in PROTECTED_MODULES:
+            refuse_import(name)
+        return real_import_module(name, package)
+
+    builtins.__import__ = guarded_import
+    importlib.import_module = guarded_import_module
 
 
 def main():
@@ -58,9 +379,9 @@ def main():
     ap.add_argument("--site", required=True)
     ap.add_argument("--import-root", required=True)
     ap.add_argument("--rootdir", required=True)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--events-fd", type=int, required=True)
+    ap.add_argument("--library-dir", action="append", default=[])
     ap.add_argument("--deselect", action="append", default=[])
-    ap.add_argument("--verbose-report", action="store_true")
     ap.add_argument("selectors", nargs="*")
     a = ap.parse_args()
     sys.path.insert(0, a.site)
@@ -68,61 +389,54 @@ def main():
 
     sys.path.insert(0, a.import_root)
     root = os.path.realpath(a.rootdir)
+    fd = a.events_fd
+    os.set_inheritable(fd, False)  # subprocesses the tests start do not get it
+    dumps, write = json.dumps, os.write
+
+    def emit(**ev):
+        data = (dumps(ev) + "\n").encode()
+        while data:
+            data = data[write(fd, data):]
+
+    guard(emit, [os.path.realpath(d) + os.sep for d in a.library_dir], os.path.dirname(os.__file__) + os.sep)
 
     def rel(p):
         p = os.path.realpath(str(p))
         return os.path.relpath(p, root) if p.startswith(root + os.sep) else "<outside>/" + os.path.basename(p)
 
-    class Recorder:
-        def __init__(self):
-            self.outcomes, self.failures, self.locations, self.collect_errors = {}, {}, {}, []
-
+    class Reporter:
         def pytest_collection_modifyitems(self, items):
             for it in items:
                 fn = getattr(it, "obj", None)
                 try:
                     fn = inspect.unwrap(getattr(fn, "__func__", fn))
                     code = fn.__code__
-                    self.locations[it.nodeid] = [rel(code.co_filename), code.co_firstlineno]
+                    emit(k="loc", nid=it.nodeid, path=rel(code.co_filename), line=code.co_firstlineno)
                 except Exception:
                     pass
 
         def pytest_collectreport(self, report):
             if report.failed:
-                self.collect_errors.append({"nodeid": report.nodeid, "message": str(report.longrepr)[-3000:]})
+                emit(k="collect_error", nid=report.nodeid, message=str(report.longrepr)[-3000:])
 
         def pytest_runtest_makereport(self, item, call):
-            if call.excinfo is not None and call.when in ("setup", "call") and item.nodeid not in self.failures:
+            if call.excinfo is not None and call.when in ("setup", "call"):
                 ei = call.excinfo
                 frames = [[rel(e.path), e.lineno + 1, e.name] for e in list(ei.traceback)[-4:]]
-                self.failures[item.nodeid] = {"when": call.when, "message": ei.exconly()[:2000], "frames": frames}
+                emit(k="fail", nid=item.nodeid, when=call.when, message=ei.exconly()[:2000], frames=frames)
             return None
 
         def pytest_runtest_logreport(self, report):
-            nid = report.nodeid
-            if report.when == "call":
-                if hasattr(report, "wasxfail"):
-                    outcome = "xfailed" if report.skipped else "xpassed"
-                else:
-                    outcome = report.outcome
-                if self.outcomes.get(nid) != "error":
-                    self.outcomes[nid] = outcome
-            elif report.failed:
-                self.outcomes[nid] = "error"
-            elif report.skipped and report.when == "setup":
-                self.outcomes[nid] = "skipped"
+            emit(k="rep", nid=report.nodeid, when=report.when, outcome=report.outcome,
+                 xfail=hasattr(report, "wasxfail"))
 
-    rec = Recorder()
     args = list(a.selectors) + ["-p", "no:cacheprovider", "--noconftest", "-c", "/dev/null", "--rootdir", root,
                                 "-q", "--tb=short", "-rfE", "-W", "ignore"]
     for d in a.deselect:
         args += ["--deselect", d]
-    code = pytest.main(args, plugins=[rec])
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"exit_code": int(code), "outcomes": rec.outcomes, "failures": rec.failures,
-                       "locations": rec.locations, "collect_errors": rec.collect_errors}, f)
-    return int(code)
+    code = int(pytest.main(args, plugins=[Reporter()]))
+    emit(k="done", exit=code)
+    return code
 
 
 if __name__ == "__main__":
@@ -140,10 +454,17 @@ class Failure:
     when: str = "call"
 
 
+class ResultForged(ValueError):
+    """The result file does not carry the judge's MAC under this run's key: something else wrote it."""
+
+
 @dataclass(frozen=True)
 class SuiteResult:
     """One suite run. `outcomes`: node id -> passed / failed / error / skipped / xfailed / xpassed.
-    `ok` is False when the driver wrote no results (crash, kill, timeout)."""
+
+    `ok` is False when no believable result came back: the judge wrote none (crash, kill,
+    timeout), the judge rejected the worker's reports (`problem` says why), or the file was not
+    the judge's (`forged`)."""
 
     ok: bool
     outcomes: Mapping[str, str] = field(default_factory=dict)
@@ -155,6 +476,9 @@ class SuiteResult:
     duration_s: float = 0.0
     output_tail: str = ""
     cpu_s: float = 0.0  # user + system CPU of the run (local runs only; 0 when unknown)
+    problem: str | None = None  # why the judge did not believe the worker's reports
+    forged: bool = False  # a result file was there, but not with the judge's MAC
+    denied: tuple[str, ...] = ()  # audit events library code raised and the worker refused
 
     def passed(self) -> frozenset[str]:
         return frozenset(k for k, v in self.outcomes.items() if v == "passed")
@@ -163,26 +487,58 @@ class SuiteResult:
         return [i for i in ids if self.outcomes.get(i) != "passed"]
 
     @staticmethod
-    def from_json(data: bytes | str, *, exit_code: int, duration_s: float, timed_out: bool = False,
-                  output_tail: str = "") -> "SuiteResult":
-        d = json.loads(data)
-        if not isinstance(d, dict) or not isinstance(d.get("outcomes"), dict):
-            raise ValueError("driver result is not an object with 'outcomes'")
-        fails = {k: Failure(message=str(v.get("message", "")), when=str(v.get("when", "call")),
-                            frames=tuple((str(p), int(n), str(f)) for p, n, f in v.get("frames", ())))
-                 for k, v in d.get("failures", {}).items()}
-        locs = {k: (str(v[0]), int(v[1])) for k, v in d.get("locations", {}).items()}
+    def from_result(data: bytes, key: bytes, *, exit_code: int, duration_s: float, timed_out: bool = False,
+                    output_tail: str = "") -> "SuiteResult":
+        """Parse the judge's result file; `ResultForged` if its MAC is not the judge's under `key`."""
+        mac, _, body = data.partition(b"\n")
+        want = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+        if not hmac.compare_digest(mac, want):
+            raise ResultForged("the result file does not carry this run's MAC")
+        d = json.loads(body)
+        if not d.get("ok"):
+            return SuiteResult(ok=False, exit_code=exit_code, timed_out=timed_out, duration_s=duration_s,
+                               output_tail=output_tail, problem=str(d.get("problem") or "no result"))
+        fails = {str(k): Failure(message=str(v["message"]), when=str(v["when"]),
+                                 frames=tuple((str(p), int(n), str(f)) for p, n, f in v["frames"]))
+                 for k, v in d["failures"].items()}
+        locs = {str(k): (str(v[0]), int(v[1])) for k, v in d["locations"].items()}
         return SuiteResult(ok=True, outcomes={str(k): str(v) for k, v in d["outcomes"].items()}, failures=fails,
-                           locations=locs, collect_errors=tuple(str(e.get("nodeid", "")) for e in d.get("collect_errors", ())),
-                           exit_code=exit_code, timed_out=timed_out, duration_s=duration_s, output_tail=output_tail)
+                           locations=locs, collect_errors=tuple(str(e["nodeid"]) for e in d["collect_errors"]),
+                           denied=tuple(str(x) for x in d["denied"]), exit_code=exit_code, timed_out=timed_out, duration_s=duration_s, output_tail=output_tail)
+
+    @staticmethod
+    def read(data: bytes | None, key: bytes, *, exit_code: int, duration_s: float, timed_out: bool = False,
+             output_tail: str = "") -> "SuiteResult":
+        """`from_result`, with every way of not getting a believable result turned into `ok=False`."""
+        common = dict(exit_code=exit_code, duration_s=duration_s, timed_out=timed_out, output_tail=output_tail)
+        if data is None:
+            return SuiteResult(ok=False, **common)
+        try:
+            return SuiteResult.from_result(data, key, **common)
+        except ResultForged:
+            return SuiteResult(ok=False, forged=True, problem="result file not written by the judge", **common)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # MAC ok but unreadable: a judge bug
+            raise RuntimeError(f"the judge wrote an unreadable result: {type(e).__name__}: {e}") from e
+
+
+def new_key() -> bytes:
+    """A fresh per-run key; it reaches the judge on stdin (`key_line`), never argv or the environment."""
+    return secrets.token_bytes(32)
+
+
+def key_line(key: bytes) -> bytes:
+    return key.hex().encode() + b"\n"
 
 
 def driver_argv(lib: Library, *, python: str, runtime: str, repo: str, out: str | None,
                 selectors: Sequence[str] = (), deselect: Sequence[str] = ()) -> list[str]:
-    """The argv of one suite run. Paths are as seen by the process (host paths or sandbox paths)."""
+    """The argv of one suite run. Paths are as seen by the process (host paths or sandbox paths).
+    With `out`, the judge reads the run's key from stdin (`key_line(key)`) before anything else."""
     import_root = repo if not lib.import_root else f"{repo}/{lib.import_root}"
-    argv = [python, "-B", "-s", "-S", "-P", f"{runtime}/driver.py", "--site", f"{runtime}/site",
-            "--import-root", import_root, "--rootdir", repo]
+    argv = [python, "-B", "-s", "-S", "-P", f"{runtime}/driver.py", "--worker", f"{runtime}/worker.py",
+            "--site", f"{runtime}/site", "--import-root", import_root, "--rootdir", repo]
+    for p in lib.packages:
+        argv += ["--library-dir", f"{repo}/{p}"]
     if out is not None:
         argv += ["--out", out]
     for d in tuple(lib.deselect) + tuple(deselect):
@@ -197,27 +553,28 @@ def driver_argv(lib: Library, *, python: str, runtime: str, repo: str, out: str 
 def run_suite_local(lib: Library, tree: Path, runtime: Path, python: Path, *, timeout_s: float = 120.0,
                     selectors: Sequence[str] = ()) -> SuiteResult:
     """Build-time run in a plain subprocess (our own trusted mutations, no agent code): the same
-    driver and flags as in the sandbox, so outcomes agree with grading."""
+    judge, worker and flags as in the sandbox, so outcomes agree with grading."""
     with tempfile.TemporaryDirectory(prefix="swe-out-") as td:
         out = os.path.join(td, "result.json")
+        key = new_key()
         argv = driver_argv(lib, python=str(python), runtime=str(runtime), repo=str(tree), out=out, selectors=selectors)
         t0 = time.monotonic()
         # CPU time, not wall time, decides "fast enough": on a shared machine wall time is noise.
-        # RUSAGE_CHILDREN counts waited-for children; one suite runs at a time per process.
+        # RUSAGE_CHILDREN counts waited-for children (the judge, and the worker it waited for);
+        # one suite runs at a time per process.
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
-            p = subprocess.run(argv, cwd=tree, env=TEST_ENV, capture_output=True, text=True, timeout=timeout_s)
+            p = subprocess.run(argv, cwd=tree, env=TEST_ENV, input=key_line(key), capture_output=True,
+                               timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
-            tail = (e.stdout or b"")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-2000:]
-            return SuiteResult(ok=False, timed_out=True, duration_s=time.monotonic() - t0, output_tail=str(tail))
+            tail = (e.stdout or b"")[-2000:].decode("utf-8", "replace")
+            return SuiteResult(ok=False, timed_out=True, duration_s=time.monotonic() - t0, output_tail=tail)
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         dt = time.monotonic() - t0
-        tail = (p.stdout + p.stderr)[-3000:]
-        if not os.path.exists(out):
-            return SuiteResult(ok=False, exit_code=p.returncode, duration_s=dt, output_tail=tail, cpu_s=cpu)
-        with open(out, "rb") as f:
-            r = SuiteResult.from_json(f.read(), exit_code=p.returncode, duration_s=dt, output_tail=tail)
+        tail = (p.stdout + p.stderr)[-3000:].decode("utf-8", "replace")
+        data = Path(out).read_bytes() if os.path.isfile(out) and not os.path.islink(out) else None
+        r = SuiteResult.read(data, key, exit_code=p.returncode, duration_s=dt, output_tail=tail)
         return dataclasses.replace(r, cpu_s=cpu)
 
 
