@@ -1,6 +1,6 @@
 """End to end: real Ray actors, a real vLLM engine, a real DeepSpeed engine, two domains.
 
-Three RL steps (KL to the post-SFT reference folded into the reward) on a tiny Qwen3-MoE (fp32, so the engine and the trainer compute the same function
+Three RL steps on a tiny Qwen3-MoE (fp32, so the engine and the trainer compute the same function
 and the logprob gap after each sync must be ~0); a rollout worker is killed between steps and the
 run goes on; then the run resumes from its checkpoint and continues. One module-scoped run keeps
 the engines' start-up cost paid once.
@@ -8,7 +8,6 @@ the engines' start-up cost paid once.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ def _cfg(model_dir: Path, run_dir: Path, steps: int):
         f"model.arch={model_dir}", f"run_dir={run_dir}", "name=e2e",
         "rollout.max_model_len=1536", "rollout.max_new_tokens_per_turn=48", "rollout.kv_cache_gib=1.0",
         "envs.weights={terminal: 1.0, browse: 1.0}", "envs.env_ids.browse=browse-small-v0", "envs.max_turns=2",
-        "algorithm.group_size=2", "algorithm.dynamic_sampling=off", "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true",
+        "algorithm.group_size=2", "algorithm.dynamic_sampling=off",
         "trainer.sft_steps=2", "trainer.tasks_per_step=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         f"trainer.steps={steps}", "trainer.checkpoint_every=1", "logging.wandb_mode=disabled",
     ])
@@ -88,9 +87,6 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
         assert r["mismatch/logprob_abs_mean"] < 2e-3, r["mismatch/logprob_abs_mean"]
         assert r["mismatch/logprob_abs_max"] < 2e-2
         assert r["policy/version"] >= 1
-        # the KL reference (the policy after SFT) is loaded, and its penalty is folded into the rewards
-        # (k3 is >= 0 per token; the k1 sum in the reward penalty may take either sign)
-        assert r["kl/ref_mean"] >= 0 and math.isfinite(r["kl/reward_penalty_per_seq"]) and r["kl/coef"] == 0.05
         assert r["trainer/world_size"] == 1 and r["rollout/max_staleness_seen"] == 0  # sync mode: no lag
         # the step-time breakdown is logged every step and adds up
         parts = r["time/rollout_generate_s"] + r["time/rollout_tools_s"] + r["time/rollout_grade_s"]
