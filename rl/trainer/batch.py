@@ -64,6 +64,17 @@ class TrainBatch:
 _SCALARS = ("domains", "step_tokens", "step_seqs", "step_loss_tokens", "routes_from")
 
 
+def micro_batches(batch: TrainBatch, size: int, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
+    """`batch` in micro-batches of `size`, then padding micro-batches (its first row, flagged True) up
+    to `n_micro`. Under ZeRO-3 every forward and backward gathers parameters collectively, so all
+    ranks must run the same number of micro-batches; a rank whose shard is only padding (`pad_only`:
+    fewer sequences than ranks) runs padding alone. Callers make padding add nothing to a loss."""
+    out = [] if pad_only else [(batch.select(slice(s, s + size)), False) for s in range(0, batch.num_seqs, size)]
+    while len(out) < n_micro:
+        out.append((batch.select([0]), True))
+    return out
+
+
 def split_by_tokens(batch: TrainBatch, n: int) -> list[list[int]]:
     """Row indices for `n` ranks with near-equal real-token counts (longest first, each to the rank
     with the fewest tokens so far: LPT scheduling). Rows keep batch order within a rank; a rank may

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rl.trainer.batch import TrainBatch
+from rl.trainer.batch import TrainBatch, micro_batches
 
 
 @dataclass(frozen=True)
@@ -75,30 +75,18 @@ class CriticTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: CriticSpec, world_size: int = 1) -> None:
         import deepspeed
 
-        from rl.trainer.policy import load_policy
+        from rl.trainer.policy import deepspeed_config, load_policy
 
         self.spec = spec
         self.world_size = world_size
         module = ValueModel(load_policy(model_dir, spec.dtype))
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=spec.lr,
                                       weight_decay=spec.weight_decay, betas=(0.9, 0.95))
-        ds_config = {
-            "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": spec.grad_clip,
-            "zero_optimization": {"stage": spec.zero_stage},
-            "bf16": {"enabled": spec.dtype == "bfloat16"},
-            "steps_per_print": 10**9,
-        }
+        ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
 
     def _micro_batches(self, batch: TrainBatch, n_micro: int, pad_only: bool) -> list[tuple[TrainBatch, bool]]:
-        mbs = self.spec.micro_batch_size
-        out = [] if pad_only else [(batch.select(slice(s, s + mbs)), False) for s in range(0, batch.num_seqs, mbs)]
-        while len(out) < n_micro:
-            out.append((batch.select([0]), True))
-        return out
+        return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
-from rl.trainer.batch import TrainBatch, logits_window, token_logprobs
+from rl.trainer.batch import TrainBatch, logits_window, micro_batches, token_logprobs
 
 log = get_logger("trainer")
 
@@ -44,6 +44,22 @@ class TrainerSpec:
     seed: int = 0
     routing_replay: str = "auto"  # auto | r3 | r2 | off
     freeze_router_bias: bool = True
+
+
+def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
+    """The DeepSpeed config of a trainer engine (the policy's and the critic's)."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        # The driver decides how many micro-batches make one optimizer step (dynamic sampling
+        # changes batch sizes); step() is the accumulation boundary.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 def _free_port() -> int:
@@ -109,18 +125,7 @@ class PolicyTrainer:
             module.config.freeze_expert_bias = spec.freeze_router_bias
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
-        ds_config = {
-            "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            # The driver decides how many micro-batches make one optimizer step (dynamic sampling
-            # changes batch sizes); step() is the accumulation boundary.
-            "managed_gradient_accumulation": False,
-            "gradient_clipping": spec.grad_clip,
-            "zero_optimization": {"stage": spec.zero_stage},
-            "bf16": {"enabled": spec.dtype == "bfloat16"},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
+        ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
         warm = max(0, spec.warmup_steps)
 
         def lr_lambda(step: int) -> float:
@@ -188,15 +193,7 @@ class PolicyTrainer:
         return "r2"
 
     def _micro_batches(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
-        """`batch` in micro-batches, then padding micro-batches (its first row, flagged True) up to
-        `n_micro`. Under ZeRO-3 every forward and backward gathers parameters collectively, so all
-        ranks must run the same number of micro-batches; a rank whose shard is only padding
-        (`pad_only`: fewer sequences than ranks) runs padding alone. Padding never adds to a loss."""
-        mbs = self.spec.micro_batch_size
-        out = [] if pad_only else [(batch.select(slice(s, s + mbs)), False) for s in range(0, batch.num_seqs, mbs)]
-        while len(out) < n_micro:
-            out.append((batch.select([0]), True))
-        return out
+        return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False
