@@ -1,6 +1,8 @@
 """The joint multi-domain RL driver: one readable loop.
 
-    sample -> roll out -> grade -> advantages -> dynamic sampling -> train -> sync -> log -> checkpoint
+    sample -> roll out -> grade -> dynamic sampling -> [KL penalty] -> collate -> [critic values]
+           -> token-level advantages -> train (at most trainer.max_staleness updates in flight)
+           -> sync -> log -> checkpoint
 
 Collaborators (Ray actors for the trainer and rollout workers, environments, tokenizer, chat
 codec, metrics sink) are built by `rl.runtime.Runtime` and handed in, so each step below reads as
