@@ -14,7 +14,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,7 +23,7 @@ import torch
 
 from jointrl.records import Task
 from rl.config import NODE_RESOURCE_UNIT, ConfigError, RunConfig, to_dict
-from rl.log import get_logger, progress
+from rl.log import get_logger
 from rl.metrics import MetricsSink
 from rl.types import Episode, RolloutGroup
 
@@ -386,8 +386,6 @@ class Runtime:
     def prepare_reference(self) -> None:
         """Load the KL reference on the trainer: a named checkpoint, or (`model.reference: initial`) the
         policy as RL starts, saved once under the run dir so a resumed run keeps the same reference."""
-        import ray
-
         if not self.uses_reference:
             return
         ref = self.cfg.model.reference
@@ -405,8 +403,6 @@ class Runtime:
         """kl_in_reward: each episode's reward minus kl_coef x its summed per-token k1 KL between the
         sampling policy (the engine's logprobs) and the reference (InstructGPT-style penalty, summed
         because the advantage estimators here take one outcome per episode)."""
-        import ray
-
         from dataclasses import replace
 
         from rl.algos.kl import kl_reward_penalty
@@ -435,8 +431,6 @@ class Runtime:
         the buckets go through Ray's object store (rl/weights/, "same-node transport").
         $JOINTRL_SYNC_TRANSPORT=shm|object_store forces one.
         """
-        import ray
-
         from rl.weights import ShmBucket, requested_transport
 
         t0 = time.perf_counter()
@@ -465,8 +459,6 @@ class Runtime:
 
     def measure_gap(self, groups: Sequence[RolloutGroup], n: int = 4) -> dict[str, float]:
         """Engine vs trainer logprobs of the same generated tokens under the same (new) weights."""
-        import ray
-
         eps = [e for g in groups for e in g.episodes if sum(e.loss_mask) > 0][:n]
         if not eps:
             return {}
@@ -496,8 +488,6 @@ class Runtime:
         return out
 
     def checkpoint(self, step: int) -> None:
-        import ray
-
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = {"sampler": self.sampler.state_dict(), "step": step,
                  "py_random": random.getstate(), "np_random": np.random.get_state()}
@@ -509,8 +499,6 @@ class Runtime:
         log.info("checkpoint saved at step %d", step)
 
     def _resume(self) -> None:
-        import ray
-
         meta = json.loads((self.ckpt_dir / "meta.json").read_text())
         state = self.trainer.load_checkpoint(str(self.ckpt_dir / "ds"))
         drv = (state or {}).get("driver", {})

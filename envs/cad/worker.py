@@ -41,7 +41,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from envs.cad.kernel import brep

@@ -54,6 +54,8 @@ if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~8 s
     import torch
     from vllm import LLM
 
+    from rl.config import RolloutSection
+
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]

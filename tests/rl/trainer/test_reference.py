@@ -22,8 +22,6 @@ def _run(tmp: str) -> dict:
     from rl.paths import setup_cache_env
 
     setup_cache_env()
-    import torch
-
     from model.shipped import build_random_checkpoint, load_shipped_config
     from rl.algos import aggregation_weights
     from rl.objective import RLObjective
