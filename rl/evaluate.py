@@ -9,6 +9,7 @@ and graders as training. Prints a table and writes RUN_DIR/eval_<label>.json.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -58,16 +59,54 @@ def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequen
     (rt.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
 
+@dataclass(frozen=True)
+class PairedDiff:
+    """after - before over the same tasks (same order, same sampling seeds): the mean difference, its
+    confidence interval from Student's t with n - 1 degrees of freedom, and the paired t statistic."""
+    n: int
+    mean: float
+    ci_low: float
+    ci_high: float
+    t: float
+
+
+def paired_diff(before: Sequence[float], after: Sequence[float], confidence: float = 0.95) -> PairedDiff:
+    """The paired comparison of per-task success before and after (the paired t-test, e.g. Student 1908;
+    any statistics text). t is +inf / -inf / 0 when every difference is equal (zero spread)."""
+    from scipy.stats import t as student_t
+
+    if len(before) != len(after):
+        raise ValueError(f"paired_diff: {len(before)} tasks before vs {len(after)} after; a paired comparison needs the same tasks")
+    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    n = int(d.size)
+    if n < 2:
+        mean = float(d.mean()) if n else 0.0
+        return PairedDiff(n, mean, -math.inf, math.inf, 0.0)
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    if sd == 0.0:
+        return PairedDiff(n, mean, mean, mean, math.copysign(math.inf, mean) if mean else 0.0)
+    se = sd / math.sqrt(n)
+    half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * se
+    return PairedDiff(n, mean, mean - half, mean + half, mean / se)
+
+
 def format_eval_table(before: Sequence[EvalRow], after: Sequence[EvalRow] | None = None) -> str:
+    """Per domain (and tier): success, reward, tokens and turns; with `after`, the same columns after RL
+    and the paired gain in success with its 95% confidence interval and paired t."""
     head = f"{'domain':<10} {'tier':<5} {'n':>3} {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
     if after is not None:
-        head += f" | {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
+        head += f" | {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6} | {'gain':>6} {'95% CI':>15} {'t':>6}"
     lines = [head, "-" * len(head)]
     for i, b in enumerate(before):
         line = f"{b.domain:<10} {b.tier:<5} {b.n:>3} {b.success:>8.3f} {b.reward:>7.3f} {b.tokens:>7.1f} {b.turns:>6.2f}"
         if after is not None and i < len(after):
             a = after[i]
             line += f" | {a.success:>8.3f} {a.reward:>7.3f} {a.tokens:>7.1f} {a.turns:>6.2f}"
+            if len(a.task_success) == len(b.task_success) and b.task_success:
+                p = paired_diff(b.task_success, a.task_success)
+                line += f" | {p.mean:>+6.3f} [{p.ci_low:>+6.3f},{p.ci_high:>+6.3f}] {p.t:>6.2f}"
+            else:
+                line += f" | {a.success - b.success:>+6.3f} {'(unpaired)':>15} {'-':>6}"
         lines.append(line)
     return "\n".join(lines)
 
