@@ -10,12 +10,13 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 # System packages: bubblewrap + util-linux (prlimit) for the sandbox, git and sqlite3 for terminal
-# tasks, chromium for the report's browser test.
+# tasks, chromium for the report's browser test, redis-server for the jobs broker.
 need=()
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v git >/dev/null 2>&1 || need+=(git)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)  # the jobs broker (rl/jobs/broker.py)
 if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

@@ -1,0 +1,180 @@
+"""Typed records of the jobs service: what a client submits, what the store keeps, and the service config.
+
+`JobSpec` is the body of `POST /v1/jobs`; `JobView` is what `GET /v1/jobs/{id}` returns; `JobEvent`
+is one turn-by-turn event (also the SSE payload). `JobsConfig` holds every setting of
+`jointrl jobs serve`, with one default each, validated up front (`ConfigError` naming the key).
+
+What this module does not do: talk to Redis, SQLite or HTTP.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, Mapping
+
+from rl.config import ConfigError
+
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled")
+FINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+SPLITS: tuple[str, ...] = ("train", "heldout")
+TIERS: tuple[str, ...] = ("low", "high", "max")
+MAX_MODEL_LEN = 2048  # the policy engine's context, and the agent loop's (the shipped tiny/small models' default)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One agent job: task `index` of `env`'s `split` (the split generated with seed 0, as training and
+    evaluation generate it), run at thinking tier `thinking`."""
+
+    env: str
+    split: str = "train"
+    index: int = 0
+    thinking: str = "low"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.env, str) or not self.env:
+            raise ConfigError(f"job.env must be an environment id, got {self.env!r}")
+        if self.split not in SPLITS:
+            raise ConfigError(f"job.split must be one of {list(SPLITS)}, got {self.split!r}")
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ConfigError(f"job.index must be an integer >= 0, got {self.index!r}")
+        if self.thinking not in TIERS:
+            raise ConfigError(f"job.thinking must be one of {list(TIERS)}, got {self.thinking!r}")
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "JobSpec":
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a job must be a JSON object, got {type(d).__name__}")
+        allowed = {f.name for f in fields(JobSpec)}
+        extra = sorted(set(d) - allowed)
+        if extra:
+            raise ConfigError(f"unknown job field(s) {extra}; allowed: {sorted(allowed)}")
+        if "env" not in d:
+            raise ConfigError("job.env is required")
+        return JobSpec(**dict(d))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished episode's outcome (the token-level episode itself is in the store's episodes table)."""
+
+    reward: float
+    turns: int
+    terminated: bool
+    truncated: bool
+    grade_error: str | None
+    num_tokens: int
+    wall_s: float
+    worker: str
+
+
+@dataclass(frozen=True)
+class JobView:
+    """`GET /v1/jobs/{id}`."""
+
+    id: str
+    spec: JobSpec
+    status: str
+    attempts: int
+    result: JobResult | None
+    error: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["result"] = None if self.result is None else asdict(self.result)
+        return d
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a job: `seq` is global and increasing (SSE clients resume after the last seq they saw)."""
+
+    seq: int
+    job_id: str
+    attempt: int
+    kind: str  # queued | started | reset | turn | graded | done | failed | retry | cancelled | dead_letter
+    data: Mapping[str, Any]
+    at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "job_id": self.job_id, "attempt": self.attempt, "kind": self.kind,
+                "data": dict(self.data), "at": self.at}
+
+
+@dataclass(frozen=True)
+class JobsConfig:
+    """Settings of `jointrl jobs serve` (each is a CLI flag of that command; see docs/jobs.md)."""
+
+    redis_url: str = "redis://127.0.0.1:6390/0"  # started by the server when nothing answers there
+    db_url: str = "sqlite:///runs/jobs/jobs.sqlite"
+    stream: str = "jointrl:jobs"  # the jobs stream; the dead-letter stream is f"{stream}:dead"
+    min_workers: int = 1
+    max_workers: int = 1
+    workers: int = 1  # replicas at start, clamped to [min_workers, max_workers]
+    claim_timeout_s: float = 30.0  # an entry pending this long without a heartbeat is claimed by another worker
+    max_attempts: int = 3  # a job that failed this many attempts goes to the dead-letter stream
+    jobs_per_worker: float = 2.0  # autoscaler target: (queued + in flight) per replica
+    scale_down_delay_s: float = 5.0  # the target must stay below the replica count this long before a scale-down
+    max_turns: int | None = None  # None: the task's own limit
+    max_new_tokens_per_turn: int = 256
+    policy_url: str | None = None  # an already-running policy server; None: the server starts one for MODEL
+
+    def __post_init__(self) -> None:
+        for key in ("min_workers", "max_workers", "workers", "max_attempts", "max_new_tokens_per_turn"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "min_workers" else 1):
+                raise ConfigError(f"jobs.{key} must be an integer >= {0 if key == 'min_workers' else 1}, got {v!r}")
+        if self.max_workers < self.min_workers:
+            raise ConfigError(f"jobs.max_workers ({self.max_workers}) must be >= jobs.min_workers ({self.min_workers})")
+        for key in ("claim_timeout_s", "jobs_per_worker"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"jobs.{key} must be > 0, got {getattr(self, key)!r}")
+        if self.scale_down_delay_s < 0:
+            raise ConfigError(f"jobs.scale_down_delay_s must be >= 0, got {self.scale_down_delay_s!r}")
+        if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
+            raise ConfigError(f"jobs.max_turns must be None or an integer >= 1, got {self.max_turns!r}")
+        if not self.redis_url.startswith("redis://"):
+            raise ConfigError(f"jobs.redis_url must be a redis:// URL, got {self.redis_url!r}")
+
+    @property
+    def dead_stream(self) -> str:
+        return f"{self.stream}:dead"
+
+    @property
+    def initial_workers(self) -> int:
+        return max(self.min_workers, min(self.max_workers, self.workers))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "JobsConfig":
+        return JobsConfig(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One agent-worker replica (`GET /v1/jobs/workers`)."""
+
+    name: str
+    pid: int
+    state: str  # running | draining
+    started_at: float
+
+
+@dataclass
+class PoolStats:
+    """What the autoscaler read and decided in one tick (also exported on /metrics)."""
+
+    queued: int = 0
+    in_flight: int = 0
+    replicas: int = 0
+    target: int = 0
+    history: list[tuple[float, int]] = field(default_factory=list)  # (time, replicas) after each change

@@ -1,0 +1,213 @@
+"""`jointrl jobs serve` end to end: real HTTP, real redis-server, SQLite, agent-worker processes, a real vLLM policy.
+
+- 50 short terminal-basics-v0 jobs, burst from 1 replica to the maximum and back, one worker killed mid-job:
+  every job completes exactly once and the database holds every event of every attempt.
+- The jobs server killed (SIGKILL) while jobs run, then restarted: no job is lost, clients keep polling;
+  a poison job lands in the dead-letter stream after --max-attempts; a cancelled job never runs to done.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from rl.jobs.server import free_port
+from rl.jobs.store import open_store
+
+pytestmark = pytest.mark.slow
+
+ENV = "terminal-basics-v0"
+
+
+class JobsServer:
+    def __init__(self, model: Path, db: str, redis_url: str, policy_url: str, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "rl.cli", "jobs", "serve", str(model), "--port", str(self.port), "--db", db,
+                     "--redis-url", redis_url, "--policy-url", policy_url, "--max-turns", "2", "--max-new-tokens", "16",
+                     "--claim-timeout", "3", *extra]
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "JobsServer":
+        self.proc = subprocess.Popen(self.args, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"jobs server exited: {self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise AssertionError("jobs server did not come up")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _submit(url: str, **kw) -> str:
+    r = httpx.post(f"{url}/v1/jobs", json={"env": ENV, "split": "train", "thinking": "low", **kw}, timeout=30)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def _check_exactly_once(store, ids: list[str]) -> None:
+    """Each job: done, one `done` event, one episode, and the completing attempt's full event sequence."""
+    eps = {e.group_id[len("job:"):]: e for e in store.episodes(ids)}
+    assert sorted(eps) == sorted(ids)
+    for jid in ids:
+        v = store.get(jid)
+        assert v.status == "done", (jid, v.status, v.error)
+        evs = store.events(jid)
+        assert [e.kind for e in evs].count("done") == 1
+        last = evs[-1].attempt
+        kinds = [e.kind for e in evs if e.attempt == last]
+        turns = v.result.turns
+        assert kinds == ["started", *(["claimed"] if "claimed" in kinds else []), "reset", *["turn"] * turns, "graded", "done"], kinds
+        ep = eps[jid]
+        assert 1 <= ep.num_turns == turns <= 2  # --max-turns 2
+        assert len(ep.token_ids) == len(ep.loss_mask) == len(ep.rollout_logprobs) == v.result.num_tokens
+        runs, n = [], 0  # generated tokens per turn: runs of loss_mask == 1
+        for m in ep.loss_mask:
+            if m:
+                n += 1
+            elif n:
+                runs.append(n)
+                n = 0
+        runs += [n] if n else []
+        assert runs and max(runs) <= 16 and len(runs) == turns  # --max-new-tokens 16
+        assert all(lp < 0 or m == 0 for lp, m in zip(ep.rollout_logprobs, ep.loss_mask))
+
+
+def test_fifty_jobs_burst_scaling_and_a_killed_worker(tiny_ckpt, policy_url, tmp_path, capsys):
+    db = f"sqlite:///{tmp_path}/jobs.sqlite"
+    redis_port = free_port()  # nothing runs there: the server starts its own redis-server
+    srv = JobsServer(tiny_ckpt, db, f"redis://127.0.0.1:{redis_port}/0", policy_url, tmp_path / "server.log",
+                     "--workers", "1", "--min-workers", "1", "--max-workers", "3", "--jobs-per-worker", "4",
+                     "--scale-down-delay", "2").start()
+    history: list[tuple[float, int, int]] = []
+    try:
+        t0 = time.monotonic()
+        history.append((0.0, int(_metric(srv.url, "jointrl_jobs_replicas")), 0))
+        ids = [_submit(srv.url, index=i) for i in range(50)]
+        killed: tuple[str, str] | None = None
+        store = open_store(db)
+        while time.monotonic() - t0 < 420:
+            replicas, queued = int(_metric(srv.url, "jointrl_jobs_replicas")), int(_metric(srv.url, "jointrl_jobs_queue_depth"))
+            if not history or history[-1][1:] != (replicas, queued):
+                history.append((round(time.monotonic() - t0, 1), replicas, queued))
+            if killed is None:
+                for jid in ids:
+                    evs = store.events(jid)
+                    if evs[-1].kind == "reset":  # mid-episode: two generations and the grading are still ahead
+                        name = [e for e in evs if e.kind == "started"][-1].data["worker"]
+                        pids = {w["name"]: w["pid"] for w in httpx.get(f"{srv.url}/v1/jobs/workers").json()["workers"]}
+                        if name in pids:
+                            os.kill(pids[name], signal.SIGKILL)
+                            killed = (jid, name)
+                            assert store.get(jid).status == "running"  # the kill caught the job mid-episode
+                        break
+            counts = httpx.get(f"{srv.url}/health").json()["counts"]
+            if counts.get("done", 0) == 50 and replicas == 1:
+                break
+            time.sleep(0.5)
+        history.append((round(time.monotonic() - t0, 1), int(_metric(srv.url, "jointrl_jobs_replicas")), 0))
+        with capsys.disabled():
+            print("\nreplicas over time (s, replicas, queued):", history)
+        assert killed is not None, "no job was caught mid-episode"
+        _check_exactly_once(store, ids)
+        v = store.get(killed[0])
+        kinds = [e.kind for e in store.events(killed[0])]
+        assert v.attempts == 2 and "claimed" in kinds and v.result.worker != killed[1]
+        # the killed attempt's events up to the kill are kept, and it never completed
+        first = [e.kind for e in store.events(killed[0]) if e.attempt == 1]
+        assert first[:2] == ["started", "reset"] and "done" not in first and "graded" not in first
+        # only the killed worker's job ran twice: scale-down drained the other replicas' jobs before they exited
+        assert sorted(store.get(j).attempts for j in ids) == [1] * 49 + [2]
+        reps = [h[1] for h in history]
+        assert reps[0] == 1 and max(reps) == 3 and reps[-1] == 1
+        assert _metric(srv.url, "jointrl_jobs_latency_seconds_count") == 50
+        # the SSE stream replays exactly the stored events
+        with httpx.stream("GET", f"{srv.url}/v1/jobs/{ids[0]}/events", timeout=30) as r:
+            seqs = [json.loads(line[6:])["seq"] for line in r.iter_lines() if line.startswith("data: ")]
+        assert seqs == [e.seq for e in store.events(ids[0])]
+        with httpx.stream("GET", f"{srv.url}/v1/jobs/{ids[0]}/events", headers={"Last-Event-ID": str(seqs[2])}, timeout=30) as r:
+            assert [json.loads(line[6:])["seq"] for line in r.iter_lines() if line.startswith("data: ")] == seqs[3:]
+        store.close()
+    finally:
+        srv.stop()
+    # the server stopped its own redis-server on the way out
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=redis_port, socket_connect_timeout=1).ping()
+
+
+def test_server_restart_loses_nothing_poison_is_dead_lettered_cancel_works(tiny_ckpt, policy_url, redis_url, tmp_path):
+    db = f"sqlite:///{tmp_path}/jobs.sqlite"
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r.delete("jointrl:jobs", "jointrl:jobs:dead")
+    srv = JobsServer(tiny_ckpt, db, redis_url, policy_url, tmp_path / "server.log", "--workers", "2", "--max-attempts", "2")
+    srv.start()
+    try:
+        ids = [_submit(srv.url, index=i) for i in range(6)]
+        poison = _submit(srv.url, split="heldout", index=10**6)  # no such task: every attempt raises
+        bad = httpx.post(f"{srv.url}/v1/jobs", json={"env": "nosuch-v0"}, timeout=10)
+        assert bad.status_code == 422 and "nosuch-v0" in bad.text
+        cli = [sys.executable, "-m", "rl.cli", "jobs"]
+        out = subprocess.run([*cli, "submit", ENV, "--index", "40", "--url", srv.url], capture_output=True, text=True, timeout=60)
+        victim = json.loads(out.stdout)["id"]
+        out = subprocess.run([*cli, "cancel", victim, "--url", srv.url], capture_output=True, text=True, timeout=60)
+        assert json.loads(out.stdout)["status"] == "cancelled"
+        store = open_store(db)
+        deadline = time.monotonic() + 240
+        while store.counts().get("done", 0) < 2 or store.counts().get("running", 0) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        srv.stop(signal.SIGKILL)  # the server and (PR_SET_PDEATHSIG) its workers die mid-job
+        down_polls = 0
+        try:
+            httpx.get(f"{srv.url}/v1/jobs/{ids[-1]}", timeout=2)
+        except httpx.HTTPError:
+            down_polls += 1
+        assert down_polls == 1
+        srv.start()  # same port, database and broker
+        deadline = time.monotonic() + 300
+        while True:  # the client keeps polling the same URL
+            views = [httpx.get(f"{srv.url}/v1/jobs/{j}", timeout=10).json() for j in [*ids, poison]]
+            if all(v["status"] in ("done", "failed") for v in views):
+                break
+            assert time.monotonic() < deadline, [v["status"] for v in views]
+            time.sleep(1)
+        _check_exactly_once(store, ids)
+        assert any(store.get(j).attempts == 2 for j in ids)  # a job interrupted by the kill was taken up again
+        p = store.get(poison)
+        assert (p.status, p.attempts) == ("failed", 2) and "IndexError" in p.error
+        (dl,) = [d for _i, d in r.xrange("jointrl:jobs:dead")]
+        assert dl["job_id"] == poison and dl["attempts"] == "2" and "out of range" in dl["error"]
+        v = store.get(victim)
+        assert v.status == "cancelled" and v.result is None and "done" not in [e.kind for e in store.events(victim)]
+        out = subprocess.run([*cli, "watch", ids[0], "--url", srv.url], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])["kind"] == "done"
+        store.close()
+    finally:
+        srv.stop()
