@@ -33,3 +33,4 @@ def register_all() -> None:
     _try("browse", "envs.browse:register")
     _try("cad", "envs.cad:register")
     _try("swe", "envs.swe:register")
+    _try("reasoning_gym", "envs.reasoning_gym:register")

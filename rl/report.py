@@ -29,6 +29,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from rl import report_domains
+from rl.metrics import RunRecord, read_run_record
+
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
 ALL_COLOR = "#333333"
 
@@ -51,13 +54,33 @@ class RunData:
     config: Mapping[str, Any] | None = None
     evals: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    record: RunRecord | None = None  # RUN_DIR/run.json: the run's domains and families (None for older runs)
 
     @property
     def domains(self) -> tuple[str, ...]:
-        """Domains seen in any `<family>/<stat>/<domain>` key (the third part), `all` excluded."""
-        ds = {k.split("/")[2] for k in self.series if k.count("/") == 2}
-        ds.discard("all")
-        return tuple(sorted(ds))
+        """The run record's domains; for runs without one, those with a `reward/mean/<domain>` series
+        (the driver logs it for every domain it rolled out), `all` excluded."""
+        if self.record is not None:
+            return tuple(sorted(self.record.names))
+        return tuple(sorted(k[len("reward/mean/"):] for k in self.series if k.startswith("reward/mean/") and k != "reward/mean/all"))
+
+    @property
+    def family_of(self) -> dict[str, str]:
+        fam = self.record.family_of() if self.record is not None else {}
+        return {d: fam.get(d, d) for d in self.domains}
+
+    @property
+    def families(self) -> dict[str, tuple[str, ...]]:
+        """family -> its domains (each domain its own family when the run has no record)."""
+        out: dict[str, list[str]] = {}
+        for d, f in sorted(self.family_of.items()):
+            out.setdefault(f, []).append(d)
+        return {f: tuple(out[f]) for f in sorted(out)}
+
+    @property
+    def many(self) -> bool:
+        """Too many domains for one line per domain: charts show per-family means instead."""
+        return len(self.domains) > report_domains.MANY
 
     def last(self, key: str) -> float | None:
         for v in reversed(self.series.get(key, ())):
@@ -144,9 +167,14 @@ def load_run(run_dir: str | Path) -> RunData:
             continue
         if isinstance(rows_e, list) and all(isinstance(r, dict) for r in rows_e):
             evals[p.stem[len("eval_"):]] = tuple(rows_e)
+    try:
+        record = read_run_record(rd)
+    except ValueError as e:
+        record = None
+        warnings.append(f"{e}; domains are taken from the reward/mean/<domain> metrics")
     name = str((config or {}).get("name") or rd.name)
     return RunData(run_dir=rd, name=name, steps=steps, series=series, times=times, samples=tuple(samples),
-                   config=config, evals=evals, warnings=tuple(warnings))
+                   config=config, evals=evals, warnings=tuple(warnings), record=record)
 
 
 # ---------------------------------------------------------------------------------------------- svg primitives
@@ -388,7 +416,8 @@ class _Ctx:
 
     def __init__(self, run: RunData) -> None:
         self.run = run
-        self.colors = {d: PALETTE[i % len(PALETTE)] for i, d in enumerate(run.domains)}
+        labels = list(run.families) if run.many else list(run.domains)
+        self.colors = {d: PALETTE[i % len(PALETTE)] for i, d in enumerate(labels)}
         self.xs = [float(s) for s in run.steps]
 
     def color(self, label: str) -> str:
@@ -399,8 +428,14 @@ class _Ctx:
 
     def domain_series(self, prefix: str, *, band: tuple[str, str] | None = None, band_std: str | None = None,
                       include_all: bool = True) -> list[Series]:
-        """Series for every `prefix/<domain>` key (+ `prefix/all` dashed, + a bare `prefix` key as 'batch')."""
+        """Series for every `prefix/<domain>` key (+ `prefix/all` dashed, + a bare `prefix` key as 'batch');
+        with many domains, one series per family (the mean over its domains) instead."""
         out = []
+        if self.run.many:
+            out = [Series(f, ys, self.color(f)) for f, ys in report_domains.family_series(self.run, prefix).items()]
+            if include_all and self.has(f"{prefix}/all"):
+                out.append(Series("all", self.run.series[f"{prefix}/all"], ALL_COLOR, dashed=True))
+            return out
         labels = [d for d in self.run.domains if self.has(f"{prefix}/{d}")]
         if include_all and self.has(f"{prefix}/all"):
             labels.append("all")
@@ -439,6 +474,8 @@ class _Ctx:
 
     def latest_boxes(self, prefix: str) -> tuple[list[Box], int | None]:
         need = ("min", "p25", "p50", "p75", "max")
+        if self.run.many:  # hundreds of boxes read as noise; the per-domain table carries the numbers
+            return [], None
         keys = [f"{prefix}_{q}/{d}" for d in self.run.domains for q in need]
         i = self.run.last_step_with(keys)
         if i is None:
@@ -477,6 +514,9 @@ def _moe_heatmaps(c: _Ctx) -> str:
     else:
         experts = sorted({e for e, _ in found})
         rows = [d for d in run.domains if any(dd == d for _, dd in found)] + (["all"] if any(dd == "all" for _, dd in found) else [])
+        if run.many:  # per-domain rows are in the Domains section's family-grouped map
+            return _missing("expert-domain-heatmap", "Expert load × domain",
+                            f"{len(run.domains)} domains: see the family-grouped map in the Domains section")
         keys = [f"moe/load_e{e:03d}/{d}" for e in experts for d in rows]
         i = run.last_step_with(keys)
         # Average over the last few logged steps: one step's batch is small and noisy.
@@ -514,6 +554,7 @@ def _moe_heatmaps(c: _Ctx) -> str:
 
 
 def _samples_table(run: RunData, ctx: _Ctx, limit_per_domain: int = 8) -> str:
+    limit_per_domain = max(1, min(limit_per_domain, 200 // max(len(run.domains), 1)))  # bounded page size
     if not run.samples:
         return '<p class="note" id="samples-missing">No samples.jsonl rows in this run.</p>'
     last_step = max(int(s.get("step", -1)) for s in run.samples)
@@ -558,9 +599,9 @@ def _summary(run: RunData, c: _Ctx) -> str:
     t = [x for x in run.times if x is not None]
     dur = (t[-1] - t[0]) if len(t) >= 2 else None
     cards = [("steps logged", str(len(run.steps))), ("last step", str(run.steps[-1]) if run.steps else "–"),
-             ("domains", ", ".join(run.domains) or "–"),
+             ("domains", (f"{len(run.domains)} in {len(run.families)} families" if run.many else ", ".join(run.domains)) or "–"),
              ("wall time", f"{dur / 60:.1f} min" if dur is not None else "–")]
-    for d in run.domains:
+    for d in ([] if run.many else run.domains):
         r, s = run.last(f"reward/mean/{d}"), run.last(f"success/rate/{d}")
         cards.append((f"{d}: reward / success", f"{_fmt(r)} / {_fmt(s)}"))
     html_cards = "".join(f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div></div>' for k, v in cards)
@@ -573,7 +614,10 @@ def _summary(run: RunData, c: _Ctx) -> str:
 
 def _all_metrics(run: RunData) -> str:
     rows = []
+    doms = set(run.domains) if run.many else set()  # per-domain values are in the Domains section's table
     for k in sorted(run.series):
+        if doms and k.rsplit("/", 1)[-1] in doms:
+            continue
         vals = [v for v in run.series[k] if v is not None]
         if not vals:
             continue
@@ -698,6 +742,7 @@ def render_report(run: RunData) -> str:
              + c.dom_chart("replay-mismatch", "Routing-replay mismatch (expert slots)", "moe/replay_mismatch", "fraction", yrange=rates)
              + c.keys_chart("expert-domain-mi", "Expert–domain mutual information", ["moe/expert_domain_mi/all"], "nats")
              + "</div>"),
+            ("Domains", "domains", report_domains.domains_section(run, _diverging)),
             ("Latest samples", "samples", _samples_table(run, c)),
             ("Held-out evaluation", "eval", _eval_tables(run)),
             ("All metrics", "metrics", _all_metrics(run)),
@@ -707,7 +752,7 @@ def render_report(run: RunData) -> str:
     generated = time.strftime("%Y-%m-%d %H:%M:%S")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>jointrl report — {_e(run.name)}</title>"
-            f"<style>{_CSS}</style></head><body><header><h1>jointrl report — {_e(run.name)}</h1>"
+            f"<style>{_CSS}{report_domains.CSS}</style></head><body><header><h1>jointrl report — {_e(run.name)}</h1>"
             f"<div class=\"sub\">{_e(run.run_dir)} · generated {generated}</div></header><nav>{nav}</nav><main>{body}</main>"
             f"<script>{_JS}</script></body></html>\n")
 

@@ -17,7 +17,7 @@ import torch
 
 from rl.config import AlgorithmSection, RunConfig
 from rl.log import get_logger, progress, setup_logging
-from rl.metrics import progress_text
+from rl.metrics import RunRecord, progress_text, write_run_record
 from rl.telemetry import time_breakdown
 from rl.trainer.batch import TrainBatch
 from rl.types import RolloutGroup, StepMetrics
@@ -96,6 +96,11 @@ def run(cfg: RunConfig, runtime=None) -> dict:
     rt = runtime or Runtime.start(cfg)
     try:
         summary: dict = {}
+        record = RunRecord.of(rt.env_ids, rt.train_tasks)                     # the run's domains and families, typed
+        write_run_record(rt.run_dir, record)                                   # read by `jointrl report`
+        e = cfg.envs
+        rt.sampler = rt.sampler.reconfigured(rule=e.sampler_rule, level=e.sampler_level, families=record.family_of(),
+                                             dump_c=e.dump_c, dump_temperature=e.dump_temperature)
         if rt.start_step == 0 and cfg.trainer.sft_steps > 0:
             summary["sft"] = sft_warm_start(rt, cfg.trainer.sft_steps)  # supervised warm start on reference trajectories
             rt.sync_weights()
@@ -117,8 +122,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
                 groups, roll_m["rollout/oversampled_tasks"] = oversample(rt, step, groups, n, int(n * cfg.algorithm.oversample_factor))
             t_roll = time.perf_counter()
             kept, ds_m = dynamic_sampling(groups, cfg.algorithm.dynamic_sampling)
-            rt.sampler.observe({d: 1.0 - v for d, v in
-                                ((k.rsplit("/", 1)[1], v) for k, v in ds_m.items() if k.startswith("rollout/zero_var_frac/"))})
+            rt.sampler.observe(groups)                                         # adaptive weights from the typed groups
             train_m: dict[str, float] = {}
             sync_m: dict[str, float] = {}
             if kept and cfg.algorithm.kl_in_reward:                            # reward -= kl_coef x KL(pi || pi_ref)

@@ -288,3 +288,102 @@ def test_batch_wide_keys_join_the_per_domain_chart(tmp_path):
     p.feed(report.render_report(report.load_run(tmp_path)))
     assert p.kind["staleness"] == "line"
     assert [t.split(" @")[0] for t in p.titles["staleness"]] == ["policy/staleness"] * 3
+
+
+# ---------------------------------------------------------------------------------------------- many domains
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_domains.py"
+    spec = importlib.util.spec_from_file_location("bench_domains", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_domains_come_from_the_run_record_not_metric_names(tmp_path):
+    from rl.metrics import DomainInfo, RunRecord, read_run_record, write_run_record
+
+    sink = MetricsSink(tmp_path, wandb_mode="disabled")
+    sink.log(StepMetrics(step=0, values={"reward/mean/terminal": 0.5, "reward/mean/all": 0.5, "episode/wall_s/max": 3.0,
+                                         "tokens/response/mean": 9.0, "moe/load_e000/terminal": 1.0}))
+    sink.close()
+    # Without a record (older runs): only domains with a reward/mean/<domain> series, never stat names.
+    assert report.load_run(tmp_path).domains == ("terminal",)
+    rec = RunRecord((DomainInfo("terminal", "terminal-v0", "terminal"), DomainInfo("rg-gcd-v0", "rg-gcd-v0", "arithmetic")))
+    write_run_record(tmp_path, rec)
+    assert read_run_record(tmp_path) == rec
+    run = report.load_run(tmp_path)
+    assert run.domains == ("rg-gcd-v0", "terminal") and run.families == {"arithmetic": ("rg-gcd-v0",), "terminal": ("terminal",)}
+    (tmp_path / "run.json").write_text('{"domains": [{"name": 3}]}')
+    run = report.load_run(tmp_path)
+    assert run.domains == ("terminal",) and any("run.json" in w or "run record" in w for w in run.warnings)
+
+
+def test_run_record_families_come_from_tasks():
+    from jointrl.records import Message, Task
+    from rl.metrics import RunRecord
+
+    t = Task(id="a", domain="rg-gcd-v0", prompt=(Message(role="user", content="q"),), public={"family": "arithmetic"})
+    rec = RunRecord.of({"gcd": "rg-gcd-v0", "terminal": "terminal-v0"}, {"gcd": [t], "terminal": []})
+    assert rec.family_of() == {"gcd": "arithmetic", "terminal": "terminal"}
+    assert RunRecord.from_json(rec.to_json()) == rec
+
+
+@pytest.fixture(scope="module")
+def run500(tmp_path_factory):
+    import time as _time
+
+    rd = _bench_module().synthetic_run(tmp_path_factory.mktemp("r500"), 500, steps=12)
+    t0 = _time.perf_counter()
+    run = report.load_run(rd)
+    page = report.render_report(run)
+    took = _time.perf_counter() - t0
+    out = rd / "report.html"
+    out.write_text(page)
+    return run, page, out, took
+
+
+def test_report_at_500_domains_is_bounded_and_grouped(run500):
+    run, page, _, took = run500
+    assert len(run.domains) == 500 and len(run.families) == 12
+    assert took < 10.0 and len(page.encode()) < 5_000_000
+    p = Figures()
+    p.feed(page)
+    assert len(re.findall(r'<tr data-q="', page)) == 500  # one table row per domain
+    assert page.count("<svg class=\"spark\"") >= 500
+    assert p.attrs_of["expert-domain-clustered"]["data-rows"] == "500"
+    # per-family lines, not 500 series: the reward chart has one legend entry per family (+ 'all')
+    legend = re.search(r'id="plot-reward-mean".*?</figure>', page, re.S).group(0)
+    assert 12 <= legend.count('class="lg') <= 13
+    # top movers agree with the series: the first 'up' row is the domain whose reward rose most
+    from rl.report_domains import change
+    best = max(run.domains, key=lambda d: change(run, f"reward/mean/{d}"))
+    up = re.search(r'id="movers-up".*?<tbody><tr><td>([^<]+)</td>', page, re.S).group(1)
+    assert up == best
+
+
+PROBE500 = """(function(){ var out = {};
+  var box = document.getElementById('domain-search'); box.value = 'arithmetic'; box.dispatchEvent(new Event('input'));
+  var rows = document.querySelectorAll('#domain-table tbody tr'), shown = 0;
+  rows.forEach(function(r){ if (r.style.display !== 'none') shown++; }); out.shown = shown;
+  box.value = ''; box.dispatchEvent(new Event('input'));
+  var th = document.querySelectorAll('#domain-table thead th')[2]; th.click();
+  var vals = []; document.querySelectorAll('#domain-table tbody tr').forEach(function(r){ vals.push(parseFloat(r.cells[2].textContent)); });
+  out.sorted = vals.every(function(v, i){ return i === 0 || vals[i - 1] <= v; });
+  var hm = document.querySelector('#plot-expert-domain-clustered svg').getBoundingClientRect(); out.hm = [hm.width, hm.height];
+  return out; })()"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_chromium() is None, reason="Debian's chromium package is not installed (apt-get install -y chromium)")
+def test_report_at_500_domains_in_headless_chromium(run500):
+    run, _, path, _ = run500
+    res = load_page(path, PROBE500)
+    assert res.console_errors == (), res.console_errors
+    if res.mode != "cdp":
+        pytest.skip("websockets is not installed: console checked via --dump-dom logs, probe not run")
+    n_arith = len(run.families["arithmetic"])
+    assert res.probe["shown"] == n_arith and res.probe["sorted"] is True
+    assert res.probe["hm"][0] > 200 and res.probe["hm"][1] > 500
