@@ -47,9 +47,11 @@ def _think_tokens(e: Episode, think_start: int, think_end: int) -> int:
 
 def _quantiles(prefix: str, values: Sequence[float], domain: str, out: dict[str, float]) -> None:
     v = np.asarray(values, dtype=np.float64)
-    for name, q in QUANTILES:
-        # numpy's default "linear" interpolation (Hyndman & Fan type 7)
-        out[f"{prefix}_{name}/{domain}"] = float(np.quantile(v, q))
+    # numpy's default "linear" interpolation (Hyndman & Fan type 7); one call for all quantiles (one
+    # sort), which matters at hundreds of domains a step
+    qs = np.quantile(v, [q for _, q in QUANTILES])
+    for (name, _), x in zip(QUANTILES, qs):
+        out[f"{prefix}_{name}/{domain}"] = float(x)
 
 
 def _sum_metric(eps: Sequence[Episode], key: str) -> float | None:
