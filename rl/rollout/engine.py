@@ -16,6 +16,8 @@ What it does
   the CPU GEMM handle of tied embeddings (the loader skips `lm_head`, whose packed copy would stay
   stale), drops the prefix cache and running requests' KV (computed by the old weights) and bumps
   `policy_version`.
+- `load_adapter(dir)` (`EngineConfig.lora_rank > 0`): serves every later request with a peft LoRA
+  adapter on the unchanged base weights, a new vLLM adapter id per sync (adapter-only sync, rl/trainer/lora.py).
 - Per-request seeds that work and replay on CPU (`EngineConfig.seeded_requests`): the engine is built
   so that no prefill is ever split (see `seeded_cpu_llm_kwargs`); a CPU engine built otherwise refuses
   seeded requests with the reason instead of crashing mid-step.
@@ -98,6 +100,10 @@ class EngineConfig:
     # "nccl": build vLLM's NCCL weight-transfer engine into every worker process, so the trainer can
     # broadcast syncs straight into the GPUs (rl/rollout/nccl_sync.py); None: syncs arrive as tensors.
     weight_transfer: Literal["nccl"] | None = None
+    # LoRA adapter syncs (`load_adapter`): > 0 builds the engine with vLLM's LoRA support for adapters
+    # up to this rank on the `lora_targets` modules (their last name parts, e.g. q_proj); 0 = no LoRA.
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
     extra_llm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def __post_init__(self) -> None:
@@ -292,6 +298,7 @@ def _reload_with_moe_fix(worker: Any, weights: list[tuple[str, "torch.Tensor"]],
             del qm.process_weights_after_loading
     if worker_is_cpu():
         _refresh_tied_cpu_linears(model)
+        _load_fused_cpu_experts(model, weights, repack_moe)
     if not repack_moe:
         return 0
     with torch.no_grad():
@@ -308,6 +315,48 @@ def worker_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+_FUSED_EXPERT_RE = re.compile(r"^(?P<layer>.*\.layers\.\d+\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+_SINKS_RE = re.compile(r"^(?P<layer>.*\.layers\.\d+)\.self_attn\.sinks$")
+
+
+def _load_fused_cpu_experts(model: Any, weights: list[tuple[str, "torch.Tensor"]], prepack: bool) -> int:
+    """gpt-oss (checkpoint experts fused, `experts.gate_up_proj` [E, H, 2I] ..., and attention sinks):
+    vLLM 0.32's gpt-oss loader copies these straight into the parameters, which the in-place (layerwise)
+    reload has moved to the meta device, so the update is dropped and the old values are put back
+    (measured: a changed `sinks` or expert tensor left the engine's logprobs unchanged). Write them into
+    the tensors the CPU kernels read, as the first load leaves them (measured equal on a fresh engine):
+    w13 = prepack(gate_up_proj^T per expert), w2 = prepack(down_proj^T), biases and sinks as they are."""
+    fused = [(m, n, t) for n, t in weights if (m := _FUSED_EXPERT_RE.match(n))]
+    sinks = [(m, n, t) for n, t in weights if (m := _SINKS_RE.match(n))]
+    if not fused and not sinks:
+        return 0
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import cpu_prepack_moe_weight
+
+    modules = dict(model.named_modules())
+    done = set()
+    with torch.no_grad():
+        for m, name, t in sinks:
+            attn = modules.get(m.group("layer") + ".attn")
+            if attn is None or not hasattr(attn, "sinks"):
+                raise EngineError(f"update tensor {name}: no attention with sinks at {m.group('layer')}.attn in the served model")
+            attn.sinks.copy_(t)
+        for m, name, t in fused:
+            layer = modules.get(m.group("layer") + ".routed_experts") or modules.get(m.group("layer"))
+            if layer is None or not hasattr(layer, "w13_weight"):
+                raise EngineError(f"update tensor {name}: no fused-MoE layer {m.group('layer')} in the served model")
+            w13 = m.group("kind") == "gate_up_proj"
+            if m.group("bias"):
+                getattr(layer, "w13_bias" if w13 else "w2_bias").copy_(t)
+                continue
+            w = t.permute(0, 2, 1).contiguous().to(layer.w13_weight.dtype)
+            if prepack:
+                w = cpu_prepack_moe_weight(w, layer.quant_method.moe_kernel.fused_experts.isa)
+            getattr(layer, "w13_weight" if w13 else "w2_weight").copy_(w)
+            done.add(id(layer))
+    return len(done)
 
 
 def _refresh_tied_cpu_linears(model: Any) -> int:
@@ -516,6 +565,12 @@ class RolloutEngine:
                     raise EngineError(f"EngineConfig.extra_llm_kwargs {clash} contradict seeded_requests=True on CPU, which needs "
                                       f"{seeded_kw}: drop them or set seeded_requests=False")
         kwargs.update(_gpu_llm_kwargs(config, self._platform_is_cpu()))
+        if config.lora_rank > 0:
+            from rl.trainer.lora import vllm_max_lora_rank
+
+            # One adapter serves at a time; the CPU cache keeps the previous one for requests still running on it.
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(config.lora_rank), max_loras=1, max_cpu_loras=2,
+                          lora_target_modules=list(config.lora_targets) or None)
         kwargs.update(config.extra_llm_kwargs)
         t0 = time.perf_counter()
         self.llm: "LLM" = LLM(**kwargs)
@@ -527,6 +582,8 @@ class RolloutEngine:
             self.llm.llm_engine.engine_core.shutdown()
             raise EngineError(f"EngineConfig.seeded_requests=True but the CPU engine was built with {blocker}")
         self.seeded_requests_unavailable_reason = blocker
+        self._lora_request: Any = None  # the adapter every request runs with (set by load_adapter)
+        self._lora_ids = itertools.count(1)
         self._cv = threading.Condition()
         self._pending: dict[str, tuple[Future, Any, int]] = {}
         self._ids = itertools.count()
@@ -598,7 +655,7 @@ class RolloutEngine:
                 rid = f"r{next(self._ids)}"
                 fut: Future = Future()
                 # Outputs carry this external id (vLLM appends a random suffix only internally).
-                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp, lora_request=self._lora_request)
                 self._pending[rid] = (fut, convert, self.policy_version)
                 futures.append(fut)
             self._cv.notify_all()
@@ -703,6 +760,28 @@ class RolloutEngine:
             repacked_moe_layers=int(max(repacked)),
             policy_version=self.policy_version,
         )
+
+    def load_adapter(self, adapter_dir: str, num_bytes: int, version: int | None = None) -> WeightUpdateStats:
+        """Serve every later request with the peft adapter in `adapter_dir` on the unchanged base weights.
+
+        Each sync gets a new adapter id (vLLM caches adapters and prefix-cache blocks by id, so nothing
+        computed with the previous adapter is reused); the files are read here, once.
+        """
+        from vllm.lora.request import LoRARequest
+
+        if self.config.lora_rank <= 0:
+            raise EngineError("load_adapter: this engine was built without LoRA (EngineConfig.lora_rank = 0)")
+        t0 = time.perf_counter()
+        with self._cv:  # between two engine steps
+            lid = next(self._lora_ids)
+            req = LoRARequest(lora_name=f"policy-{lid}", lora_int_id=lid, lora_path=str(adapter_dir))
+            if not self.llm.llm_engine.add_lora(req):
+                raise EngineError(f"load_adapter: vLLM refused the adapter in {adapter_dir}")
+            self._lora_request = req
+            self.llm.reset_prefix_cache()
+            self.policy_version = self.policy_version + 1 if version is None else int(version)
+        return WeightUpdateStats(num_tensors=0, num_bytes=int(num_bytes), seconds=time.perf_counter() - t0,
+                                 repacked_moe_layers=0, policy_version=self.policy_version)
 
     def tokenizer(self) -> Any:
         return self.llm.get_tokenizer()

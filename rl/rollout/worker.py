@@ -11,6 +11,8 @@ through a `ShmReader` that maps the trainer's /dev/shm slot once and checks its 
 after the engine copies the tensors (a torn or stale read raises, it never loads silently).
 MXFP4-encoded experts are dequantized here to the engine's dtype, since vLLM's loaders do not take
 MXFP4 for these architectures, and the engine re-applies its CPU MoE repack as for any update.
+An `AdapterBucket` (LoRA adapter-only sync) is written into a directory of the worker's own and
+served as a new vLLM LoRA adapter on the unchanged base weights.
 
 What it does not do: choose which worker serves a request or restart itself (rl/rollout/dispatcher.py),
 or run episodes (rl/rollout/agent_loop.py).
@@ -27,6 +29,7 @@ import numpy as np
 from rl.rollout.engine import EngineConfig, GenerateRequest, GenerateResult, RolloutEngine, WeightUpdateStats
 from rl.rollout.nccl_sync import NcclSyncTicket, receive_nccl_sync
 from rl.weights import ShmBucket, ShmReader, WeightBucket, engine_dtype, local_node_id, unpack_bucket
+from rl.weights.lora import AdapterBucket
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class RolloutWorkerImpl:
         items = _resolve_all(buckets)
         if any(isinstance(x, NcclSyncTicket) for x in items):  # GPU only: the trainer broadcasts it (rl/rollout/nccl_sync.py)
             return receive_nccl_sync(self, items, target)
+        if len(items) == 1 and isinstance(items[0], AdapterBucket):  # LoRA adapter-only sync
+            return self._load_adapter(items[0], target)
         for i, item in enumerate(items):
             if not isinstance(item, (WeightBucket, ShmBucket, bytes, bytearray)):
                 raise TypeError(f"update_weights: bucket {i} must be a WeightBucket, ShmBucket, safetensors bytes or an object "
@@ -93,6 +98,23 @@ class RolloutWorkerImpl:
         return WeightUpdateStats(num_tensors=n_tensors, num_bytes=n_bytes, seconds=time.perf_counter() - t0,
                                  repacked_moe_layers=repacked, policy_version=self.engine.policy_version)
 
+    def _load_adapter(self, bucket: AdapterBucket, version: int) -> WeightUpdateStats:
+        """Write the adapter's files into this worker's own directory and serve it (the previous one is removed)."""
+        import shutil
+        import tempfile
+
+        if self.__dict__.get("_adapter_root") is None:
+            self._adapter_root = tempfile.mkdtemp(prefix="jointrl-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            self._adapter_dir = ""
+        t0 = time.perf_counter()
+        path = bucket.write(self._adapter_root)
+        st = self.engine.load_adapter(path, bucket.num_bytes, version=version)
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self._adapter_dir = path
+        return WeightUpdateStats(num_tensors=0, num_bytes=st.num_bytes, seconds=time.perf_counter() - t0,
+                                 repacked_moe_layers=0, policy_version=st.policy_version)
+
     def health(self) -> WorkerHealth:
         e = self.engine
         return WorkerHealth(pid=os.getpid(), policy_version=e.policy_version, pending_requests=e.num_pending(),
@@ -102,6 +124,10 @@ class RolloutWorkerImpl:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self._shm.close()
+        if self.__dict__.get("_adapter_root"):
+            import shutil
+
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
 
 def _resolve_all(items: Sequence[Any]) -> list[Any]:

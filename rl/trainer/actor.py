@@ -90,6 +90,9 @@ class TrainerWorker:
     def load_reference(self, model_dir: str) -> None:
         self.t.load_reference(model_dir)
 
+    def use_base_reference(self) -> None:
+        self.t.use_base_reference()
+
     def reference_logprobs(self, batch: TrainBatch):
         return self.t.reference_logprobs(batch)
 
@@ -123,6 +126,9 @@ class TrainerWorker:
             from rl.rollout.nccl_sync import trainer_broadcast
 
             return trainer_broadcast(self, fmt)
+        if self.t.spec.lora.sync == "adapter":  # LoRA: the adapter alone (rl/weights/lora.py), any node can read it
+            bucket = self.t.adapter_bucket()
+            return [] if bucket is None else [ray.put(bucket)]
         if self.t.rank != 0:  # rank 0 publishes; under ZeRO-3 this rank still joins each gather
             if self.t.spec.zero_stage == 3:
                 for _ in self.t.named_weights():
@@ -131,7 +137,7 @@ class TrainerWorker:
         exporter = self.__dict__.get("_exporter")
         if exporter is None:
             exporter = self._exporter = WeightExporter()
-        buckets = exporter.export(self.t.module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, transport=transport,
+        buckets = exporter.export(self.t.sync_module, self.t.named_weights(), bucket_mb=bucket_mb, fmt=fmt, transport=transport,
                                   reader_nodes=tuple(reader_nodes))
         return [ray.put(b) if isinstance(b, WeightBucket) else b for b in buckets]
 

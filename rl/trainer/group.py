@@ -207,6 +207,10 @@ class TrainerGroup:
     def set_lr(self, lr: float) -> None:
         self._each("set_lr", lr)
 
+    def use_base_reference(self) -> None:
+        """LoRA: the KL reference is the base (adapters off) on every rank (PolicyTrainer.use_base_reference)."""
+        self._each("use_base_reference")
+
     def export_weights(self, *args, **kw) -> list[Any]:
         return self._get([w.export_weights.remote(*args, **kw) for w in self.workers])[0]
 
