@@ -60,6 +60,16 @@ class ModelSection:
     # the policy as RL starts (after any SFT warm start; saved in the run dir, so resumes reuse it),
     # or a path to a HF checkpoint dir of the same architecture.
     reference: str = "initial"
+    # The chat codec (rl/rollout/codec): "jointrl" (model/chat.py's format), "hf" (the checkpoint's own
+    # chat_template, parsed by vLLM's parsers), or "auto": jointrl for a shipped shape or a checkpoint with
+    # the shipped tokenizer, hf for a checkpoint with a chat template of its own.
+    chat_codec: str = "auto"
+    # hf codec: vLLM's tool parser by its registered name (hermes, qwen3_coder, openai = harmony/gpt-oss,
+    # deepseek_v3, glm45, ...); hermes also reads the tool prompt given to templates without a tool section.
+    tool_parser: str = "hermes"
+    # hf codec: vLLM's reasoning parser by name (qwen3, deepseek_r1, openai_gptoss, ...); "" = the model has
+    # no reasoning format, and the thinking tiers only cap each turn's generated tokens.
+    reasoning_parser: str = ""
 
 
 @dataclass
@@ -98,8 +108,13 @@ class EnvsSection:
 
     weights: dict[str, float] = field(default_factory=lambda: {"terminal": 1.0})  # domain -> sampling weight
     env_ids: dict[str, str] = field(default_factory=lambda: {"terminal": "terminal-v0", "swe": "swe-v0", "browse": "browse-v0", "cad": "cad-v0"})
-    adaptive_weights: bool = False  # shift weight toward domains with reward variance
-    min_weight: float = 0.05  # floor for adaptive weights so no domain starves
+    adaptive_weights: bool = False  # move the weights after each step by `sampler_rule` (rl/sampler.py)
+    min_weight: float = 0.05  # floor for adaptive weights so no domain (or family) starves
+    # variance: toward reward variance; learnability: variance x 4p(1-p); dump: UCB on mean |advantage| (arXiv 2504.09710)
+    sampler_rule: Literal["variance", "learnability", "dump"] = "variance"
+    sampler_level: Literal["domain", "family"] = "domain"  # family: adapt per family (the run record's), split by base weight
+    dump_c: float = 1.0  # DUMP's UCB exploration coefficient
+    dump_temperature: float = 0.1  # softmax temperature from UCB scores to weights
     default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})
     sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
     max_turns: int = 8
@@ -128,6 +143,21 @@ class AlgorithmSection:
     gamma: float = 1.0  # gae, reinforce_pp: discount per generated token
     lam: float = 0.95  # gae: GAE lambda (Schulman et al. 2016)
     value_clip: float = 0.2  # gae: the critic's clipped value loss range; <= 0 = plain squared error
+
+
+@dataclass
+class LoraSection:
+    """LoRA adapters on the policy (rl/trainer/lora.py, docs/training.md "LoRA"); rank 0 = full fine-tuning."""
+
+    rank: int = 0  # adapter rank r (1..512); 0 = no adapters, every weight trains
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input while training; must be 0 with the 'experts' target
+    # any of: attention (q/k/v/o and gated-delta in/out projections), mlp (dense and shared-expert MLPs),
+    # experts (the fused expert tensors of MoE layers, one rank-r pair per expert)
+    targets: list[str] = field(default_factory=lambda: ["attention"])
+    # auto: the adapter alone where the engines can serve it (vLLM LoRA requests), else merged weights
+    # (only the adapted tensors); adapter: refuse at start-up where impossible; merged: always merge
+    sync: Literal["auto", "adapter", "merged"] = "auto"
 
 
 @dataclass
@@ -162,6 +192,7 @@ class TrainerSection:
     sync_transport: Literal["auto", "shm", "object_store", "nccl"] = "auto"
     checkpoint_every: int = 0  # 0 = only at the end
     resume: bool = True
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass
@@ -337,6 +368,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that types alone cannot express."""
     _validate_gpu_paths(cfg)
+    _validate_chat_codec(cfg)
+    _validate_model_family(cfg)
     known = set(cfg.envs.env_ids)
     for d, w in cfg.envs.weights.items():
         if d not in known:
@@ -366,6 +399,11 @@ def validate(cfg: RunConfig) -> None:
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"config key '{k}': value {v} must be > 0")
+    for k, v in {"envs.dump_c": cfg.envs.dump_c, "envs.min_weight": cfg.envs.min_weight}.items():
+        if v < 0:
+            raise ConfigError(f"config key '{k}': value {v} must be >= 0")
+    if cfg.envs.dump_temperature <= 0:
+        raise ConfigError(f"config key 'envs.dump_temperature': value {cfg.envs.dump_temperature} must be > 0")
     for k, v in {"eval.n_per_domain": cfg.eval.n_per_domain, "trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
                  "eval.temperature": cfg.eval.temperature}.items():
         if v < 0:
@@ -389,6 +427,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.model.reference != "initial" and not (Path(cfg.model.reference) / "config.json").is_file():
         raise ConfigError(f"config key 'model.reference': {cfg.model.reference!r} is neither 'initial' nor a checkpoint "
                           "directory with config.json")
+    _validate_lora(cfg.trainer.lora, cfg.trainer.sync_transport)
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"config key 'trainer.lr': value {cfg.trainer.lr} must be > 0")
     for key, name in (("trainer.node_resource", cfg.trainer.node_resource), ("rollout.node_resource", cfg.rollout.node_resource)):
@@ -414,6 +453,78 @@ def node_resource_problem(name: str) -> str:
         return ("is a resource Ray counts on every node; name a custom resource that "
                 "`ray start --resources '{\"NAME\": 1}'` gives the chosen nodes")
     return ""
+
+
+def _validate_model_family(cfg: RunConfig) -> None:
+    """A checkpoint directory in `model.arch` (or `model.reference`) must be of a family model/families.py
+    supports: refused by name here, before any engine or trainer starts."""
+    import json
+
+    for key, value in (("model.arch", cfg.model.arch), ("model.reference", cfg.model.reference)):
+        config_json = Path(value) / "config.json"
+        if not config_json.is_file():
+            continue  # a shipped config name (or 'initial'); checked where it is built
+        try:
+            hf_config = json.loads(config_json.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config key '{key}': cannot read {config_json}: {e}") from e
+        from model.families import family_problem
+
+        problem = family_problem(hf_config.get("model_type"))
+        if problem:
+            raise ConfigError(f"config key '{key}': {value!r}: {problem}")
+
+
+def _validate_chat_codec(cfg: RunConfig) -> None:
+    """`model.chat_codec` names a registered codec; the hf codec's parser names are vLLM-registered ones
+    (checked against vLLM's registries, which costs an import of vLLM's parsers, only for hf); the jointrl
+    codec parses its own format, so parser names other than the defaults would be dead there."""
+    from rl.rollout import codec
+
+    m = cfg.model
+    allowed = (codec.AUTO, *codec.codec_names())
+    if m.chat_codec not in allowed:
+        raise ConfigError(f"config key 'model.chat_codec': value {m.chat_codec!r} is not allowed; allowed values: "
+                          f"{', '.join(repr(a) for a in allowed)}")
+    if codec.resolve_codec_name(m.chat_codec, m.arch) != "hf":
+        defaults = ModelSection()
+        for key, value, default in (("tool_parser", m.tool_parser, defaults.tool_parser),
+                                    ("reasoning_parser", m.reasoning_parser, defaults.reasoning_parser)):
+            if value != default:
+                raise ConfigError(f"config key 'model.{key}': {value!r} is read only by the hf chat codec, and this run uses "
+                                  f"the jointrl codec (model.chat_codec={m.chat_codec!r}, model.arch={m.arch!r}); set "
+                                  "model.chat_codec=hf or drop the key")
+        return
+    for key, kind, value in (("tool_parser", "tool", m.tool_parser), ("reasoning_parser", "reasoning", m.reasoning_parser)):
+        if key == "reasoning_parser" and value == "":
+            continue
+        problem = codec.parser_name_problem(kind, value)
+        if problem:
+            raise ConfigError(f"config key 'model.{key}': {problem}")
+
+
+def _validate_lora(lora: LoraSection, sync_transport: str) -> None:
+    from rl.trainer.lora import LORA_TARGETS
+
+    if not 0 <= lora.rank <= 512:
+        raise ConfigError(f"config key 'trainer.lora.rank': value {lora.rank} is not allowed; allowed values: 0 (no LoRA) "
+                          "or 1..512 (vLLM's largest max_lora_rank)")
+    if lora.rank == 0:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"config key 'trainer.lora.alpha': value {lora.alpha} must be > 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"config key 'trainer.lora.dropout': value {lora.dropout} must be in [0, 1)")
+    bad = [t for t in lora.targets if t not in LORA_TARGETS]
+    if bad or not lora.targets or len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError(f"config key 'trainer.lora.targets': {lora.targets!r} is not allowed; allowed values: a non-empty "
+                          f"list without repeats of {', '.join(repr(t) for t in LORA_TARGETS)}")
+    if sync_transport == "nccl":
+        raise ConfigError("config key 'trainer.lora.rank': LoRA is not supported with trainer.sync_transport=nccl "
+                          "(the NCCL path broadcasts full tensors); use 'auto', 'shm' or 'object_store'")
+    if "experts" in lora.targets and lora.dropout:
+        raise ConfigError("config key 'trainer.lora.dropout': must be 0 when trainer.lora.targets includes 'experts' "
+                          "(peft's wrapper for fused expert tensors has no dropout)")
 
 
 def _whole_gpus(n: float) -> bool:

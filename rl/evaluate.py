@@ -1,8 +1,9 @@
 """Held-out evaluation: `evaluate(rt, label)` (the driver's before / after tables) and `jointrl eval CKPT`,
 held-out success per domain (and per thinking tier) for one checkpoint.
 
-CKPT is a HF checkpoint dir (a run's `checkpoint/hf`, or any compatible model dir with the
-project tokenizer) or a shipped model shape name (random weights: a floor for comparisons).
+CKPT is a HF checkpoint dir (a run's `checkpoint/hf`, or any compatible model dir: with the project
+tokenizer it speaks the `jointrl` chat format, with a chat template of its own the `hf` codec, unless
+`model.chat_codec` says otherwise) or a shipped model shape name (random weights: a floor for comparisons).
 Greedy decoding, one episode per held-out task, through the same vLLM workers, environments
 and graders as training. Prints a table and writes RUN_DIR/eval_<label>.json.
 """

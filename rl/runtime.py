@@ -9,6 +9,7 @@ is one verb of the driver loop. Nothing here is RL math.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from jointrl.records import Task
-from rl.config import NODE_RESOURCE_UNIT, ConfigError, RunConfig, to_dict
+from rl.config import NODE_RESOURCE_UNIT, ConfigError, ModelSection, RunConfig, to_dict
 from rl.log import get_logger
 from rl.metrics import MetricsSink
 from rl.types import Episode, RolloutGroup
@@ -32,7 +33,8 @@ log = get_logger("runtime")
 
 def build_initial_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
     """A shipped model shape with fresh weights, or a HF checkpoint dir copied as is, in `out_dir`;
-    either way with a tokenizer (the shipped one where the checkpoint has none)."""
+    either way with a tokenizer: the checkpoint's own, or the shipped one where it has none (a
+    checkpoint's tokenizer is never mixed with shipped files)."""
     from model.shipped import build_random_checkpoint, copy_tokenizer
 
     out_dir = Path(out_dir)
@@ -41,7 +43,21 @@ def build_initial_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
         return build_random_checkpoint(arch, out_dir, seed)
     if not (out_dir / "config.json").exists():
         shutil.copytree(src, out_dir, dirs_exist_ok=True)
+    if any((out_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return out_dir
     return copy_tokenizer(out_dir)
+
+
+def build_codec(model: ModelSection, checkpoint_dir: Path):
+    """The run's chat codec (rl/rollout/codec) for the checkpoint it starts from: `model.chat_codec`
+    ("auto" follows the checkpoint), with `model.tool_parser` / `model.reasoning_parser` for hf."""
+    from rl.rollout.codec import make_codec, resolve_codec_name
+
+    name = resolve_codec_name(model.chat_codec, str(checkpoint_dir))
+    codec = make_codec(name, checkpoint_dir, tool_parser=model.tool_parser, reasoning_parser=model.reasoning_parser)
+    log.info("chat codec: %s (model.chat_codec=%s)%s", name, model.chat_codec,
+             f", tool parser {model.tool_parser!r}, reasoning parser {model.reasoning_parser or 'none'!r}" if name == "hf" else "")
+    return codec
 
 
 ROLLOUT_CPUS = 1  # Ray resources of each rollout worker actor
@@ -173,8 +189,6 @@ class Runtime:
         import ray
 
         import envs
-        from model.chat import load_tokenizer
-        import model.chat as chat
         from rl.sampler import DomainSampler
 
         cfg = self.cfg
@@ -185,9 +199,11 @@ class Runtime:
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         resume = with_trainer and cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
         init_dir = build_initial_checkpoint(cfg.model.arch, self.run_dir / "init_model", cfg.model.seed)
-        serve_dir = self.ckpt_dir / "hf" if resume else init_dir
-        self.chat = chat
-        self.tok = load_tokenizer(init_dir)
+        self.lora = self._plan_lora(init_dir)
+        # LoRA never changes the base weights: engines start from them and receive the adapter (or the merged tensors)
+        serve_dir = self.ckpt_dir / "hf" if resume and self.lora is None else init_dir
+        self.codec = build_codec(cfg.model, init_dir)
+        self.tok = self.codec.tokenizer
 
         # Task pools: train split for RL/SFT, held-out split for evaluation.
         self.domains = [d for d, w in cfg.envs.weights.items() if w > 0]
@@ -243,7 +259,8 @@ class Runtime:
         spec = TrainerSpec(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                            grad_clip=cfg.trainer.grad_clip, warmup_steps=cfg.trainer.warmup_steps,
                            micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
-                           routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias)
+                           routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias,
+                           **({"lora": self.lora.spec} if self.lora is not None else {}))
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
         t = cfg.trainer
         critic = CriticSpec(lr=t.critic_lr, value_clip=a.value_clip, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
@@ -264,12 +281,36 @@ class Runtime:
         cfg = self.cfg
         ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed,
                                                  weight_transfer="nccl" if cfg.trainer.sync_transport == "nccl" else None)
+        if self.lora is not None and self.lora.spec.sync == "adapter":
+            from dataclasses import replace
+
+            ecfg = replace(ecfg, lora_rank=self.lora.spec.rank, lora_targets=self.lora.vllm_targets)
+        # Thinking budgets need the format's one-token reasoning markers; a format without them gets none.
+        markers = self.codec.reasoning_markers
+        ecfg = dataclasses.replace(ecfg, reasoning_start=markers[0] if markers else None, reasoning_end=markers[1] if markers else None)
         env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "XDG_"))}
         marker = cfg.rollout.node_resource  # replacements after a worker's node is lost stay on such nodes too
         Actor = rollout_worker_actor(num_cpus=ROLLOUT_CPUS, num_gpus=cfg.rollout.gpus_per_worker,
                                      resources={marker: NODE_RESOURCE_UNIT} if marker else None)
         self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
         log.info("rollout workers ready: %s", self.rollout_engine.health())
+
+    def _plan_lora(self, init_dir: Path):
+        """The run's LoRA plan (rl/trainer/lora.py), or None without LoRA; says once which sync path runs and why."""
+        lora = self.cfg.trainer.lora
+        if lora.rank == 0:
+            return None
+        from rl.trainer.lora import LoraSpec, plan_lora
+
+        spec = LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets), sync=lora.sync)
+        try:
+            plan = plan_lora(str(init_dir), spec, engine_on_cpu=self.cfg.rollout.gpus_per_worker == 0)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        log.info("LoRA rank %d on %s: weight sync sends %s (%s)", spec.rank, list(spec.targets),
+                 "the adapter alone (vLLM LoRA requests)" if plan.spec.sync == "adapter" else "merged weights (adapted tensors only)",
+                 plan.reason)
+        return plan
 
     def shutdown(self) -> None:
         import ray
@@ -310,7 +351,7 @@ class Runtime:
         return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
                             temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                             thinking_budgets=dict(r.thinking_budgets), max_turns=self.cfg.envs.max_turns,
-                            end_token_id=self.chat.IM_END_ID, per_request_seed=r.seeded_requests)
+                            end_token_id=self.codec.end_token_id, per_request_seed=r.seeded_requests)
 
     def run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
         from rl.rollout.agent_loop import BatchingGenerator, run_groups
@@ -320,7 +361,7 @@ class Runtime:
                 return await asyncio.to_thread(self.rollout_engine.generate, reqs)
 
             gen = BatchingGenerator(generate_batch)
-            return await run_groups(tasks, group_size, self.make_env, gen, self.tok, self.chat, self._loop_settings(temperature),
+            return await run_groups(tasks, group_size, self.make_env, gen, self.tok, self.codec, self._loop_settings(temperature),
                                     policy_version=self.policy_version, max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                     seed=seed)
 
@@ -348,7 +389,7 @@ class Runtime:
         from rl.algos import aggregation_weights
         from rl.trainer.batch import collate
 
-        batch = collate(episodes, adv, pad_id=self.chat.PAD_ID, domains=self.domains)
+        batch = collate(episodes, adv, pad_id=self.codec.pad_token_id, domains=self.domains)
         w, _ = aggregation_weights(self.cfg.algorithm.aggregation, batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B,
                                    domain_names=dict(enumerate(batch.domains)))
         return batch.with_(loss_weights_BT=w)
@@ -389,6 +430,17 @@ class Runtime:
         if not self.uses_reference:
             return
         ref = self.cfg.model.reference
+        if ref == "initial" and self.lora is not None:
+            # LoRA: the policy as RL starts is the base with its adapters off while they are at their zero init
+            # (no SFT step moved them); that reference costs no memory. The marker keeps the choice on resume.
+            marker = self.run_dir / "reference" / ".complete"
+            if not marker.exists() and self.policy_version == 0:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(json.dumps({"policy_version": 0, "base_with_adapters_off": True}))
+            if marker.exists() and json.loads(marker.read_text()).get("base_with_adapters_off"):
+                self.trainer.use_base_reference()
+                log.info("KL reference: the base model with the LoRA adapters switched off")
+                return
         if ref == "initial":
             d = self.run_dir / "reference"
             if not (d / ".complete").exists():
@@ -455,7 +507,8 @@ class Runtime:
         nbytes = float(max((s.num_bytes for s in stats), default=0))
         return {"sync/seconds": dt, "sync/export_s": t_export - t0, "sync/load_s": max((s.seconds for s in stats), default=0.0),
                 "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9), "sync/buckets": float(len(bucket_refs)),
-                "sync/shm": float(any(isinstance(b, ShmBucket) for b in bucket_refs))}
+                "sync/shm": float(any(isinstance(b, ShmBucket) for b in bucket_refs)),
+                **({"sync/lora_adapter": float(self.lora.spec.sync == "adapter")} if self.lora is not None else {})}
 
     def measure_gap(self, groups: Sequence[RolloutGroup], n: int = 4) -> dict[str, float]:
         """Engine vs trainer logprobs of the same generated tokens under the same (new) weights."""
