@@ -1,4 +1,4 @@
-"""The `jointrl` command line: train, eval, serve, envs, export, report.
+"""The `jointrl` command line: train, eval, serve, envs, export, models, jobs, report.
 
 Each subcommand parses its own arguments here and then calls one function in the module that owns
 the feature (imported lazily, so `jointrl --help` is fast and a missing optional piece only
@@ -42,7 +42,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jointrl", description="Joint multi-domain RL post-training for sparse MoE LLMs.")
-    sub = parser.add_subparsers(dest="cmd", metavar="{train,eval,serve,envs,export,report}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{train,eval,serve,envs,export,models,jobs,report}")
 
     p = sub.add_parser("train", help="run SFT warm-start + RL from a YAML config (Ray started in-process unless RAY_ADDRESS is set)")
     _config_args(p)
@@ -55,11 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiers", default=None, help="comma-separated thinking tiers to evaluate (low,high,max)")
     p.add_argument("overrides", nargs="*")
 
-    p = sub.add_parser("serve", help="OpenAI-compatible /v1/chat/completions endpoint over a vLLM engine")
-    p.add_argument("model", help="checkpoint dir, or a shipped model config name (e.g. tiny: random weights)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--record-dir", default=None, help="record every request/response as token episodes here")
+    p = sub.add_parser("serve", help="OpenAI chat-completions and Anthropic Messages endpoints over a vLLM engine")
+    from rl.serve.settings import add_arguments as add_serve_arguments  # light: the flags are generated from ServeSettings
+
+    add_serve_arguments(p)
 
     p = sub.add_parser("envs", help="environment registry: list | check ID | play ID", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -70,7 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rest-dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="dtype of the tensors kept in high precision (default: as in the source)")
     p.add_argument("src", help="run dir or checkpoint dir")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", nargs="?", default=None, help="output directory (or --to URL)")
+    p.add_argument("--to", default=None, help="file:// / s3:// / gs:// URL: sharded safetensors + manifest (rl/weights/objstore.py)")
+    p.add_argument("--shards", type=int, default=8, help="with --to and without --mxfp4: number of safetensors shards")
+
+    p = sub.add_parser("jobs", help="agent jobs: serve MODEL | submit | status | watch | cancel", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("models", help="pretrained models: pull NAME (prints its checkpoint dir last) | list")
+    _load("rl.models_cli", "add_arguments")(p)
 
     p = sub.add_parser("report", help="write a self-contained HTML report for a run directory")
     p.add_argument("run_dir")
@@ -83,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["envs"]:  # the envs module owns its sub-subcommands and their --help
         return _call("envs.cli", "main", "the environment CLI", argv[1:])
+    if argv[:1] == ["jobs"]:  # the jobs module owns its sub-subcommands and their --help
+        return _call("rl.jobs.cli", "main", "the jobs service", argv[1:])
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()
@@ -116,12 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             tiers = tuple(args.tiers.split(",")) if args.tiers else None
             return _call("rl.evaluate", "main", "evaluation", cfg, args.checkpoint, args.tasks_per_domain, tiers)
         if args.cmd == "serve":
-            return _call("rl.serve", "main", "the OpenAI-compatible server", args.model, args.host, args.port, args.record_dir)
+            return _call("rl.serve.app", "main_from_args", "the server", args)
+        if args.cmd == "export" and args.to is not None:
+            return _call("rl.weights.objstore", "main_export_cli", "export to object storage", args)
         if args.cmd == "export":
+            if args.out is None:
+                print("jointrl export: give an output directory or --to URL", file=sys.stderr)
+                return EXIT_CONFIG
             if not args.mxfp4:
                 print("jointrl export: only --mxfp4 export exists; pass --mxfp4", file=sys.stderr)
                 return EXIT_CONFIG
             return _call("model.mxfp4_export", "main_export", "MXFP4 export", args.src, args.out, args.include, args.rest_dtype)
+        if args.cmd == "models":
+            return _call("rl.models_cli", "main", "the model hub CLI", args)
         if args.cmd == "report":
             return _call("rl.report", "main", "the HTML report", args.run_dir, args.out)
     except ConfigError as e:

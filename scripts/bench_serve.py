@@ -1,20 +1,24 @@
-"""Benchmark `jointrl serve`: generated tokens/s through the HTTP server vs the same engine called directly.
+"""Benchmark `jointrl serve` under load: each HTTP route against the same engine driven directly, at 16 / 64 / 256 concurrent clients.
 
-One process: it builds the server's `ChatService` (one in-process vLLM engine), runs the FastAPI app
-with uvicorn in a background thread, and measures, on the same engine and the same prompts,
-  * direct: `RolloutEngine.generate` with B requests at once (the rollout path, no HTTP),
-  * http:   B concurrent `/v1/chat/completions` requests (httpx, one thread each, in a child process),
-  * http sequential: the same B requests one after another (no batching),
-for B in --batches. Every request asks for exactly --new-tokens tokens with thinking uncapped
-(thinking_budget "max", a random-weight model rarely emits `<|im_end|>`; the counted tokens are the ones actually
-generated). The HTTP client runs in a child process (on this 2-core machine it shares the CPUs
-with the engine, as a real client on the same host would).
+One process builds the server's `ChatService` (one in-process `StreamingEngine`) and runs the app
+with uvicorn on 127.0.0.1 in a background thread. For each concurrency C, in bounded loops (each
+client sends --loops requests one after another):
+  * direct:    C asyncio clients streaming straight from the engine (`open_streams`, same prompts and
+               sampling, no HTTP, no chat parsing; adds grouped per engine step as the service does);
+  * openai:    C streamed `/v1/chat/completions` requests at a time from a child process (asyncio + httpx);
+  * anthropic: the same through `/v1/messages`.
+Every request asks for --new-tokens tokens, thinking uncapped, temperature 1, seed = request index
+(a random-weight model sometimes ends its turn early: the tokens counted are the ones generated).
+Printed per route: generated tokens/s and its ratio to direct, p50/p99 time to first token (first
+streamed token, or first text delta over HTTP) and the p50 ratio to direct, p50/p99 latency, errors.
+The load generator shares the machine's CPUs with the engine, as a client on the same host would.
 
-    .venv/bin/python scripts/bench_serve.py [--batches 16,64] [--new-tokens 64]
+    .venv/bin/python scripts/bench_serve.py [--concurrency 16,64,256] [--loops 4,2,2] [--new-tokens 64]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -26,114 +30,206 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def messages(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Request number {i}: list the files in /tmp and explain."}]
+PROMPT = "Request number {i}: list the files in /tmp and explain."
 
 
-def client_main(url: str, model: str, n: int, new_tokens: int, sequential: bool) -> None:
-    """Send n requests (concurrently: one thread each) and print {"tokens", "seconds"} as JSON."""
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+# ----------------------------------------------------------------------------- HTTP load generator (child process)
+async def _client_run(base: str, route: str, model: str, conc: int, loops: int, new_tokens: int, key: str | None) -> dict:
     import httpx
 
-    counts = [0] * n
-    with httpx.Client(limits=httpx.Limits(max_connections=n + 4)) as client:
-        def one(i: int) -> None:
-            r = client.post(url, json={"model": model, "messages": messages(i), "max_tokens": new_tokens, "seed": i,
-                                       "thinking_budget": "max"}, timeout=600)
-            r.raise_for_status()
-            counts[i] = r.json()["usage"]["completion_tokens"]
+    headers = {"x-api-key": key} if key else {}
+    ttft, lat, tokens, errors, why = [], [], [0], [0], []
+    if route == "openai":
+        path = "/v1/chat/completions"
+
+        def body(i: int) -> dict:
+            return {"model": model, "messages": [{"role": "user", "content": PROMPT.format(i=i)}], "max_tokens": new_tokens,
+                    "seed": i, "thinking_budget": "max", "stream": True, "stream_options": {"include_usage": True}}
+    else:
+        path = "/v1/messages"
+
+        def body(i: int) -> dict:
+            return {"model": model, "messages": [{"role": "user", "content": PROMPT.format(i=i)}], "max_tokens": new_tokens,
+                    "thinking_budget": "max", "stream": True}
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        t0 = time.perf_counter()
+        first = None
+        try:
+            async with c.stream("POST", path, json=body(i)) as r:
+                if r.status_code != 200:
+                    errors[0] += 1
+                    why.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
+                    return
+                async for line in r.aiter_lines():
+                    # Parse only what the figures need (the first text piece, the usage): the load
+                    # generator shares the CPUs with the server, and its own work should stay small.
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    if first is None and ('"content":"' in line or '"reasoning_content":"' in line or '"content_block_delta"' in line):
+                        d = json.loads(line[6:])
+                        if route != "openai" or any(ch["delta"].get("content") or ch["delta"].get("reasoning_content")
+                                                    for ch in d.get("choices", [])):
+                            first = time.perf_counter() - t0
+                    elif '"usage":{' in line and route == "openai":
+                        tokens[0] += json.loads(line[6:])["usage"]["completion_tokens"]
+                    elif '"message_delta"' in line:
+                        tokens[0] += json.loads(line[6:])["usage"]["output_tokens"]
+                    elif '"type":"error"' in line:
+                        errors[0] += 1
+                        why.append(line[:200])
+        except httpx.HTTPError as e:
+            errors[0] += 1
+            why.append(repr(e)[:200])
+            return
+        lat.append(time.perf_counter() - t0)
+        if first is not None:
+            ttft.append(first)
+
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)) as c:
+        async def worker(w: int) -> None:
+            for k in range(loops):
+                await one(c, w * loops + k)
 
         t0 = time.perf_counter()
-        if sequential:
-            for i in range(n):
-                one(i)
-        else:
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        print(json.dumps({"tokens": sum(counts), "seconds": time.perf_counter() - t0}))
+        await asyncio.gather(*(worker(w) for w in range(conc)))
+        wall = time.perf_counter() - t0
+    return {"tokens": tokens[0], "seconds": wall, "ttft": ttft, "latency": lat, "errors": errors[0], "why": sorted(set(why))[:3]}
+
+
+# ----------------------------------------------------------------------------- direct engine
+async def _direct_run(engine, tok, conc: int, loops: int, new_tokens: int) -> dict:
+    from jointrl.records import Message
+    from model import chat
+    from rl.rollout.engine import GenerateRequest
+
+    loop = asyncio.get_running_loop()
+    routes: dict[str, asyncio.Queue] = {}
+    pending: list[tuple[str, GenerateRequest, asyncio.Future]] = []
+    opener: list[asyncio.Task | None] = [None]
+
+    def deliver(deltas) -> None:
+        loop.call_soon_threadsafe(lambda: [routes[d.request_id].put_nowait(d) for d in deltas if d.request_id in routes])
+
+    async def add_pending() -> None:
+        while pending:
+            batch = pending[:]
+            pending.clear()
+            await asyncio.to_thread(engine.open_streams, [(rid, g) for rid, g, _ in batch], deliver)
+            for _, _, f in batch:
+                f.set_result(None)
+
+    ttft, lat, tokens = [], [], [0]
+    tag = f"bench{conc}-{time.monotonic_ns()}"
+
+    async def one(i: int) -> None:
+        text = chat.render([Message(role="user", content=PROMPT.format(i=i))], add_generation_prompt=True)
+        g = GenerateRequest(prompt_token_ids=tuple(tok.encode(text, add_special_tokens=False)), max_tokens=new_tokens,
+                            stop_token_ids=chat.STOP_TOKEN_IDS, thinking_budget=None, seed=i)
+        rid = f"{tag}-{i}"
+        q: asyncio.Queue = asyncio.Queue()
+        routes[rid] = q
+        t0 = time.perf_counter()
+        f = loop.create_future()
+        pending.append((rid, g, f))
+        if opener[0] is None or opener[0].done():
+            opener[0] = asyncio.ensure_future(add_pending())
+        await f
+        first = None
+        while True:
+            d = await q.get()
+            if d.token_ids and first is None:
+                first = time.perf_counter() - t0
+            tokens[0] += len(d.token_ids)
+            if d.finish_reason is not None:
+                break
+        lat.append(time.perf_counter() - t0)
+        ttft.append(first if first is not None else lat[-1])
+        del routes[rid]
+
+    async def worker(w: int) -> None:
+        for k in range(loops):
+            await one(w * loops + k)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(conc)))
+    return {"tokens": tokens[0], "seconds": time.perf_counter() - t0, "ttft": ttft, "latency": lat, "errors": 0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--route", default="openai", help=argparse.SUPPRESS)
     ap.add_argument("--client-model", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--client-n", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--sequential", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--client-conc", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--client-loops", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--concurrency", default="16,64,256")
+    ap.add_argument("--loops", default="4,2,2", help="requests per client at each concurrency")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--seq-requests", type=int, default=4, help="requests in the sequential run")
     ap.add_argument("--model", default=None, help="checkpoint dir or shipped config name (default: a tiny Qwen3-MoE test checkpoint)")
     args = ap.parse_args()
     if args.client:
-        return client_main(args.client, args.client_model, args.client_n, args.new_tokens, args.sequential)
-    batches = [int(b) for b in args.batches.split(",")]
+        out = asyncio.run(_client_run(args.client, args.route, args.client_model, args.client_conc, args.client_loops,
+                                      args.new_tokens, None))
+        print(json.dumps(out))
+        return
+    concs = [int(c) for c in args.concurrency.split(",")]
+    loops = [int(x) for x in args.loops.split(",")]
+    if len(loops) != len(concs):
+        ap.error("--loops needs one value per --concurrency value")
 
     import uvicorn
 
-    from model import chat
     from rl.paths import setup_cache_env
-    from rl.rollout.engine import GenerateRequest
     from rl.serve import ServeSettings, build_service, create_app
     from tests.helpers.checkpoints import build_test_checkpoint
 
     setup_cache_env()
     model = args.model or str(build_test_checkpoint(Path(tempfile.gettempdir()) / "jointrl-bench-serve-ckpt"))
-    settings = ServeSettings(max_model_len=1024)
-    service = build_service(model, settings, record_dir=None)
-    app = create_app(service)
+    service = build_service(model, ServeSettings(max_model_len=1024), record_dir=None)
     port = 18000 + os.getpid() % 1000
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning", access_log=False))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     while not server.started:
         time.sleep(0.1)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    base = f"http://127.0.0.1:{port}"
     name = service.model_names[0]
-    tok = service.tokenizer
 
-    def prompt_ids(i: int) -> tuple[int, ...]:
-        from jointrl.records import Message
-
-        text = chat.render([Message(role="user", content=messages(i)[0]["content"])], add_generation_prompt=True)
-        return tuple(tok.encode(text, add_special_tokens=False))
-
-    def direct(b: int) -> tuple[int, float]:
-        reqs = [GenerateRequest(prompt_token_ids=prompt_ids(i), max_tokens=args.new_tokens, stop_token_ids=chat.STOP_TOKEN_IDS,
-                                thinking_budget=None, seed=i) for i in range(b)]
-        t0 = time.perf_counter()
-        res = service.engine.generate(reqs)
-        return sum(len(r.token_ids) for r in res), time.perf_counter() - t0
-
-    def run_client(b: int, concurrent: bool) -> tuple[int, float]:
-        # The load runs in a child process so that its Python work does not share the server's GIL.
-        out = subprocess.run([sys.executable, __file__, "--client", url, "--client-model", name, "--client-n", str(b),
-                              "--new-tokens", str(args.new_tokens)] + ([] if concurrent else ["--sequential"]),
+    def http(route: str, conc: int, n_loops: int) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--client", base, "--route", route, "--client-model", name,
+                              "--client-conc", str(conc), "--client-loops", str(n_loops), "--new-tokens", str(args.new_tokens)],
                              capture_output=True, text=True, check=True)
-        d = json.loads(out.stdout.strip().splitlines()[-1])
-        return d["tokens"], d["seconds"]
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
-    def http(b: int) -> tuple[int, float]:
-        return run_client(b, True)
+    def direct(conc: int, n_loops: int) -> dict:
+        return asyncio.run(_direct_run(service.engine, service.tokenizer, conc, n_loops, args.new_tokens))
 
-    def http_seq(b: int) -> tuple[int, float]:
-        return run_client(b, False)
-
-    direct(2)  # warm-up: first requests pay one-off costs
-    http(2)
+    direct(4, 1)  # warm-up: the first engine steps compile kernels
+    http("openai", 4, 1)
+    http("anthropic", 4, 1)
     print(f"model {model} | engine start-up {service.engine.startup_s:.1f}s | {args.new_tokens} new tokens per request | "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'B':>4} | {'direct tok/s':>12} | {'http tok/s':>10} | {'http/direct':>11}")
-    for b in batches:
-        n_d, s_d = direct(b)
-        n_h, s_h = http(b)
-        print(f"{b:>4} | {n_d / s_d:>12.0f} | {n_h / s_h:>10.0f} | {(n_h / s_h) / (n_d / s_d):>10.2f}x")
-    n_s, s_s = http_seq(args.seq_requests)
-    n_c, s_c = http(args.seq_requests)
-    print(f"{args.seq_requests} requests over HTTP: sequential {n_s / s_s:.0f} tok/s | concurrent {n_c / s_c:.0f} tok/s | "
-          f"concurrent/sequential {(n_c / s_c) / (n_s / s_s):.2f}x (batching)")
+          f"{os.cpu_count()} CPUs | admission {service.settings.max_running} running + {service.settings.max_queue} queued")
+    print(f"{'C':>4} {'route':>9} | {'reqs':>4} | {'tok/s':>6} | {'vs direct':>9} | {'TTFT p50':>8} {'p99':>7} | {'TTFT/direct':>11} | "
+          f"{'lat p50':>7} {'p99':>7} | errors")
+    for conc, n_loops in zip(concs, loops):
+        rows = {"direct": direct(conc, n_loops), "openai": http("openai", conc, n_loops), "anthropic": http("anthropic", conc, n_loops)}
+        d = rows["direct"]
+        d_tps, d_ttft = d["tokens"] / d["seconds"], _pct(d["ttft"], 0.5)
+        for route, r in rows.items():
+            tps = r["tokens"] / r["seconds"]
+            print(f"{conc:>4} {route:>9} | {len(r['latency']):>4} | {tps:>6.0f} | {tps / d_tps:>8.2f}x | "
+                  f"{_pct(r['ttft'], 0.5) * 1000:>6.0f}ms {_pct(r['ttft'], 0.99) * 1000:>5.0f}ms | {_pct(r['ttft'], 0.5) / d_ttft:>10.2f}x | "
+                  f"{_pct(r['latency'], 0.5):>6.2f}s {_pct(r['latency'], 0.99):>6.2f}s | {r['errors']}"
+                  + (f"  e.g. {r['why']}" if r.get("why") else ""))
     server.should_exit = True
     th.join(timeout=10)
     service.engine.shutdown()

@@ -41,12 +41,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(model: str, tmp: Path, served_name: str | None = None) -> Iterator[Server]:
+def running_server(model: str, tmp: Path, served_name: str | None = None, extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
     port = free_port()
     record_dir = tmp / "records"
     exe = Path(sys.executable).with_name("jointrl")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "rl.cli"]
-    cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(port), "--record-dir", str(record_dir)]
+    cmd += ["serve", model, "--host", "127.0.0.1", "--port", str(port), "--record-dir", str(record_dir), *extra_args]
     log_path = tmp / "server.log"
     with open(log_path, "w") as log_f:
         proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=log_f, stderr=subprocess.STDOUT, env={**os.environ, "JOINTRL_PROGRESS": "0"})

@@ -42,11 +42,16 @@ SEED_MESSAGES = [
 ]
 
 
+SEED_NAMES = ("ultra-moe-model", "sparse-moe-2.8t")  # the model names the seed articles' examples use
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     ckpt = build_test_checkpoint(tmp / "tiny-qwen3moe-chat")
-    with running_server(str(ckpt), tmp) as srv:
+    # --served-name repeated: the checkpoint's own name first (what the other tests use), then the seeds' aliases.
+    names = [a for n in (ckpt.name, *SEED_NAMES) for a in ("--served-name", n)]
+    with running_server(str(ckpt), tmp, extra_args=(*names, "--max-model-len", "384")) as srv:
         yield srv
 
 
@@ -71,7 +76,74 @@ def _check_record_matches(server: Server, rec, resp, messages, tools):
 
 def test_models_endpoint(server):
     models = server.client.models.list()
-    assert [m.id for m in models.data] == [server.model]
+    assert [m.id for m in models.data] == [server.model, *SEED_NAMES]
+    assert models.data[0].model_extra["max_model_len"] == 384  # --max-model-len reached the engine
+
+
+# ----------------------------------------------------------------------------- the seed articles' examples, as written
+# Copied from the seed articles (the API's documented usage). Only the host:port of their URLs is the test server's.
+def seed_example_1(base):
+    import requests
+    # Assume deployment on a local or cloud container platform
+    api_url = f"{base}/v1/chat/completions"
+    headers = {"Content-Fi": "application/json"}
+    # Build multi-turn conversation history, retaining complete thinking process and tool call records
+    messages = [
+    {"role": "user", "content": "Check recent CPU utilization logs and generate optimization suggestions"},
+    # Retain the model's thinking process
+    {"role": "assistant", "content": "Thinking: Need to call the monitoring alert API to get CPU data.", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_cpu_usage"}}]},
+    # Retain the tool's returned result
+    {"role": "tool", "tool_call_id": "call_1", "content": "Average CPU utilization reached 85%"},
+    # Model continues reasoning based on history
+    {"role": "user", "content": "Based on the above logs, provide a code-level optimization plan"}
+    ]
+    payload = {
+    "model": "ultra-moe-model",
+    "messages": messages,
+    "thinking_budget": "max" # Set thinking budget to the highest tier
+    }
+    response = requests.post(api_url, json=payload, headers=headers)
+    print(response.json())
+    return response
+
+
+def seed_example_2(base):
+    import requests
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    def call_agent_api(task_description, budget="max", max_retries=3):
+        url = f"{base}/v1/chat/completions"
+        headers = {"Content-Type": "application/json"}
+        payload = {"model": "sparse-moe-2.8t","messages": [{"role": "user", "content": task_description}],"tools": [{"type": "function","function": {"name": "search_web","description": "Search the internet for the latest information","parameters": {"type": "object","properties": {"query": {"type": "string"}}}}}],"tool_choice": "auto","extra_body": {"thinking_budget": budget}}
+        session = requests.Session()
+        retries = Retry(total=max_retries, backoff_factor=1, status_forcelist=[502, 503, 504])
+        session.mount("http://", HTTPAdapter(max_retries=retries))
+        session.mount("https://", HTTPAdapter(max_retries=retries))
+        try:
+            response = session.post(url, json=payload, headers=headers, timeout=120)
+            response.raise_for_status()
+            return response.json()
+        except requests.RequestException as e:
+            print(f"API call failed: {e}")
+            return None
+    return call_agent_api
+
+
+def test_seed_examples_run_as_written(server):
+    r = seed_example_1(server.base)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    rec = server.record(body["id"])
+    assert rec.model == "ultra-moe-model" and rec.request["thinking_tier"] == "max" and rec.request["thinking_budget_tokens"] is None
+    assert body["usage"]["completion_tokens"] == len(rec.choices[0].completion_token_ids) > 0
+    call = seed_example_2(server.base)
+    for budget in ("low", "max"):
+        out = call("Find the latest CPU optimisation guides", budget=budget)
+        assert out is not None and out["model"] == "sparse-moe-2.8t"
+        rec = server.record(out["id"])
+        assert rec.request["thinking_tier"] == budget  # the raw-JSON extra_body form is the tier
+        assert rec.request["tools"][0]["function"]["name"] == "search_web" and rec.request["tool_choice"] == "auto"
 
 
 def test_seed_tool_conversation_max_budget(server):

@@ -304,59 +304,85 @@ def test_records_round_trip_and_chain(tmp_path, tok):
         recorded_sequence([r2], "b")
 
 
-# ----------------------------------------------------------------------------- submit coalescing
-class _CountingEngine:
-    """A stand-in for RolloutEngine's submit surface that counts submit calls and rejects marked prompts.
+# ----------------------------------------------------------------------------- stream coalescing and abort
+class _FakeStreamEngine:
+    """A stand-in for StreamingEngine's open_streams / abort surface, delivering from another thread like its stepper.
 
-    The real engine is exercised by test_serve_server.py; this isolates the service's grouping and
-    error-isolation logic, which the real engine cannot be made to fail on demand.
+    The real engine is exercised by the slow serve tests; this isolates the service's grouping,
+    error isolation and abort-on-close logic, which the real engine cannot be made to fail on demand.
+    `max_tokens == 13` is refused; `finish=False` streams one delta and then nothing (a long generation).
     """
 
     policy_version = 0
 
-    def __init__(self):
-        self.calls: list[int] = []
+    def __init__(self, tok, finish=True):
+        self.calls, self.aborted, self.finish = [], [], finish
+        self.ids = tuple(tok.encode("\nhm\n</think>\n\nhello there<|im_end|>", add_special_tokens=False))
 
-    def submit(self, requests):
-        from concurrent.futures import Future
+    def open_streams(self, items, deliver):
+        import threading
 
-        from rl.rollout.engine import EngineError, GenerateResult
+        from rl.rollout.engine import EngineError
+        from rl.serve.engine import StreamDelta
 
-        self.calls.append(len(requests))
-        if any(r.prompt_token_ids[0] == 666 for r in requests):
-            raise EngineError("prompt 666 is refused")
-        out = []
-        for r in requests:
-            f = Future()
-            f.set_result(GenerateResult(token_ids=(r.prompt_token_ids[0],), logprobs=(-1.0,), finish_reason="length"))
-            out.append(f)
-        return out
+        self.calls.append(len(items))
+        if any(r.max_tokens == 13 for _, r in items):
+            raise EngineError("max_tokens 13 is refused")
 
-    def num_pending(self):
-        return 0
+        def go():
+            for rid, _ in items:
+                if self.finish:
+                    deliver([StreamDelta(rid, self.ids[:3], (-1.0,) * 3), StreamDelta(rid, self.ids[3:], (-1.0,) * (len(self.ids) - 3), "stop")])
+                else:
+                    deliver([StreamDelta(rid, self.ids[:5], (-1.0,) * 5)])
+        threading.Thread(target=go).start()
+
+    def abort(self, ids):
+        self.aborted += list(ids)
 
 
-def test_concurrent_generations_share_one_submit_and_errors_stay_local(tok):
+def test_concurrent_streams_share_one_engine_add_and_errors_stay_local(tok):
     import asyncio
 
-    from rl.rollout.engine import EngineError, GenerateRequest
+    from rl.rollout.engine import EngineError
     from rl.serve import ChatService
 
-    eng = _CountingEngine()
+    eng = _FakeStreamEngine(tok)
     svc = ChatService(eng, tok, SETTINGS, NAMES, 2048)
 
-    async def run(first_ids):
-        return await asyncio.gather(*(svc._generate([GenerateRequest(prompt_token_ids=(t, 1), max_tokens=1)]) for t in first_ids),
-                                    return_exceptions=True)
+    async def run(max_tokens):
+        return await asyncio.gather(*(svc.complete(svc.prepare(req(max_tokens=m))) for m in max_tokens), return_exceptions=True)
 
-    res = asyncio.run(run([10, 11, 12, 13]))
-    assert [r[0].token_ids for r in res] == [(10,), (11,), (12,), (13,)]
-    assert eng.calls == [4]  # one engine submit for four concurrent requests
+    res = asyncio.run(run([10, 11, 12, 14]))
+    assert all(r[0].message.content == "hello there" for r in res), res
+    assert eng.calls == [4]  # one engine add for four concurrent requests
     eng.calls.clear()
-    res = asyncio.run(run([20, 666, 21]))
+    res = asyncio.run(run([20, 13, 21]))
     assert isinstance(res[1], EngineError)
-    assert [res[0][0].token_ids, res[2][0].token_ids] == [(20,), (21,)]
+    assert res[0][0].message.content == res[2][0].message.content == "hello there"
     assert eng.calls[0] == 3 and sorted(eng.calls[1:]) == [1, 1, 1]
+    assert svc.inflight == 0 and svc.admission.running == 0
+
+
+def test_closing_a_stream_aborts_its_engine_request(tok):
+    import asyncio
+
+    from rl.serve import ChatService, TextDelta
+
+    eng = _FakeStreamEngine(tok, finish=False)
+    svc = ChatService(eng, tok, SETTINGS, NAMES, 2048)
+
+    async def main():
+        prep = svc.prepare(req(max_tokens=50, stream=True))
+        agen = svc.run(prep)
+        first = await agen.__anext__()
+        assert isinstance(first, TextDelta) and first.field == "reasoning" and first.text == "hm"
+        await agen.aclose()
+        return prep.id
+
+    rid = asyncio.run(main())
+    assert len(eng.aborted) == 1 and eng.aborted[0].startswith(rid)
+    assert svc.inflight == 0 and svc.requests == 0  # aborted replies are not counted as answered (nor recorded)
 
 
 # ----------------------------------------------------------------------------- model argument
@@ -371,3 +397,124 @@ def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
         prepare_model(str(tmp_path), SETTINGS)
     assert cli_main(["serve", str(tmp_path / "nope"), "--port", "1"]) == 2
     assert "neither a shipped model config" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- incremental fields
+def test_streamed_fields_are_prefixes_that_join_to_the_parsed_message(tok):
+    """Feeding a completion token by token, the fields reported final only grow and end as the parser's fields."""
+    from rl.serve.core import DEFAULT_CODEC
+
+    rng = random.Random(1)
+    words = ["alpha", "β", "数据", "😀", "x=1;", "\n", "  ", "end.", "STOP", "</", "<"]
+    for trial in range(40):
+        reasoning = " ".join(rng.choice(words) for _ in range(rng.randint(0, 10))).strip() or None
+        content = " ".join(rng.choice(words) for _ in range(rng.randint(0, 10))).strip()
+        calls = tuple(ToolCall(f"call_0_{i}", "search_web", json.dumps({"query": rng.choice(words)})) for i in range(rng.randint(0, 1)))
+        text = chat.render_completion(Message(role="assistant", content=content, reasoning=reasoning, tool_calls=calls))
+        if trial % 4 == 3:
+            text = text[: rng.randint(1, len(text))]  # cut short, as at a length limit
+        ids = tok.encode(text, add_special_tokens=False)
+        stops = ("STOP",) if trial % 2 else ()
+        sent_r, sent_c = "", ""
+        for k in range(1, len(ids) + 1):
+            partial = tok.decode(ids[:k], skip_special_tokens=False).rstrip("\ufffd")
+            f = DEFAULT_CODEC.stream_fields(partial, stops)
+            assert f.reasoning.startswith(sent_r) and f.content.startswith(sent_c), (text, partial)
+            sent_r, sent_c = f.reasoning, f.content
+        full = tok.decode(ids, skip_special_tokens=False)
+        cut = full.find("STOP") if stops else -1
+        final = chat.parse_assistant(full[:cut] if cut >= 0 else full, 0).message
+        if cut < 0:
+            assert (final.reasoning or "").startswith(sent_r) and final.content.startswith(sent_c), (text, sent_r, sent_c)
+
+
+# ----------------------------------------------------------------------------- Anthropic translation
+def test_anthropic_request_translates_to_the_chat_history(tok):
+    from rl.serve.anthropic import parse_messages_request
+
+    body = {"model": "tiny-test", "max_tokens": 10, "system": [{"type": "text", "text": "be brief"}],
+            "tools": [{"name": "get_cpu_usage", "description": "CPU", "input_schema": {"type": "object", "properties": {}}}],
+            "tool_choice": {"type": "any"}, "stop_sequences": ["END"],
+            "messages": [{"role": "user", "content": "check cpu"},
+                         {"role": "assistant", "content": [{"type": "thinking", "thinking": "need data", "signature": "s"},
+                                                           {"type": "tool_use", "id": "toolu_9", "name": "get_cpu_usage", "input": {"w": 1}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [{"type": "text", "text": "85%"}]},
+                                                      {"type": "text", "text": "and now?"}]}]}
+    r = parse_messages_request(body, SETTINGS, NAMES)
+    assert [m.role for m in r.messages] == ["system", "user", "assistant", "tool", "user"]
+    a = r.messages[2]
+    assert a.reasoning == "need data" and a.tool_calls == (ToolCall("toolu_9", "get_cpu_usage", '{"w": 1}'),)
+    assert r.messages[3].content == "85%" and r.messages[3].tool_call_id == "toolu_9"
+    assert r.tool_choice == ToolChoice("required") and r.stop == ("END",) and r.protocol == "anthropic"
+    assert r.tools[0]["function"]["parameters"] == {"type": "object", "properties": {}}
+    text = chat.render(r.messages, list(r.tools), add_generation_prompt=True)
+    assert "need data\n</think>" in text and "<tool_response>\n85%\n</tool_response>" in text
+
+
+def test_anthropic_thinking_maps_to_the_nearest_tier():
+    from rl.serve.anthropic import nearest_tier, parse_messages_request
+
+    s = ServeSettings(max_model_len=2048, thinking_budgets={"low": 64, "high": 256, "max": -1})
+    # log-nearest among 64, 256 and 2048 (the context, for the uncapped tier): boundaries at 128 and ~724
+    assert [nearest_tier(n, s) for n in (1, 64, 127, 129, 256, 700, 750, 1024, 100000)] == \
+        ["low", "low", "low", "high", "high", "high", "max", "max", "max"]
+    msgs = [{"role": "user", "content": "x"}]
+    parse = lambda **kw: parse_messages_request({"model": "tiny-test", "max_tokens": 5, "messages": msgs, **kw}, s, NAMES)
+    assert (parse(thinking={"type": "enabled", "budget_tokens": 1024}).tier, parse().tier) == ("max", s.default_tier)
+    assert parse(thinking={"type": "disabled"}).thinking_budget == 0
+    assert parse(thinking_budget="low").thinking_budget == 64
+    assert parse(thinking={"type": "enabled", "budget_tokens": 64}, thinking_budget="low").tier == "low"
+    for bad_kw, param in [({"thinking": {"type": "enabled", "budget_tokens": 64}, "thinking_budget": "max"}, "thinking_budget"),
+                          ({"thinking": {"type": "sometimes"}}, "thinking"), ({"top_k": 5}, "top_k"), ({"temperature": 1.5}, "temperature"),
+                          ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content"),
+                          ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]")]:
+        with pytest.raises(ApiError) as ei:
+            parse(**bad_kw)
+        assert ei.value.param == param and ei.value.status == 400
+
+
+def test_openai_raw_extra_body_is_honoured():
+    r = req(extra_body={"thinking_budget": "low"})
+    assert r.tier == "low"
+    with pytest.raises(ApiError, match="extra_body"):
+        req(thinking_budget="max", extra_body={"thinking_budget": "low"})
+
+
+# ----------------------------------------------------------------------------- flags, declared once
+def test_every_serve_flag_sets_its_setting(monkeypatch):
+    import argparse
+    from dataclasses import fields
+
+    from rl.serve.settings import API_KEY_ENV, ServeError, add_arguments, from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = ["m", "--max-model-len", "512", "--dtype", "bfloat16", "--kv-cache-gib", "2.5", "--no-enforce-eager", "--seed", "3",
+            "--thinking-budgets", "low=8,max=100", "--default-tier", "low", "--max-n", "2", "--served-name", "a", "--served-name", "b",
+            "--token-cache-entries", "7", "--cache-dir", "/tmp/x", "--max-body-bytes", "99", "--max-messages", "5",
+            "--max-tokens-limit", "11", "--max-running", "3", "--max-queue", "0"]
+    s = from_args(p.parse_args(argv)).settings
+    want = dict(max_model_len=512, dtype="bfloat16", kv_cache_gib=2.5, enforce_eager=False, seed=3,
+                thinking_budgets={"low": 8, "high": RolloutSection().thinking_budgets["high"], "max": 100}, default_tier="low", max_n=2,
+                served_names=("a", "b"), token_cache_entries=7, cache_dir="/tmp/x", max_body_bytes=99, max_messages=5,
+                max_tokens_limit=11, max_running=3, max_queue=0)
+    assert set(want) == {f.name for f in fields(ServeSettings)}  # a new setting needs a flag (and a line here)
+    assert {k: getattr(s, k) for k in want} == want
+    assert from_args(p.parse_args(["m"])).settings == ServeSettings()
+    # the engine gets the engine settings
+    from pathlib import Path
+
+    from rl.serve.app import PreparedModel, engine_config
+
+    monkeypatch.setattr("rl.rollout.engine.EngineConfig.__post_init__", lambda self: None)
+    cfg = engine_config(PreparedModel(Path("/nowhere"), ("a",), "bfloat16", False), s)
+    assert (cfg.max_model_len, cfg.kv_cache_gib, cfg.enforce_eager, cfg.seed, cfg.max_num_seqs, cfg.dtype) == (512, 2.5, False, 3, 3, "bfloat16")
+    # a non-loopback address needs a key; the env var gives one
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(ServeError, match="API key"):
+        from_args(p.parse_args(["m", "--host", "0.0.0.0"]))
+    monkeypatch.setenv(API_KEY_ENV, "k1")
+    assert from_args(p.parse_args(["m", "--host", "0.0.0.0"])).api_key == "k1"
+    assert from_args(p.parse_args(["m", "--api-key", "k2"])).api_key == "k2"
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--thinking-budgets", "huge=3"])
