@@ -691,16 +691,20 @@ class RolloutEngine:
                     self._pending.clear()
                     continue
                 for out in outs:
-                    if not out.finished:
-                        continue
-                    entry = self._pending.pop(out.request_id, None)
-                    if entry is None:
-                        continue
-                    fut, convert, first_version = entry
-                    try:
-                        fut.set_result(convert(out, first_version))
-                    except BaseException as e:
-                        fut.set_exception(e)
+                    self._resolve_finished(out)
+
+    def _resolve_finished(self, out: Any) -> None:
+        """Resolve the future of a submitted request once vLLM reports it finished (caller holds the lock)."""
+        if not out.finished:
+            return
+        entry = self._pending.pop(out.request_id, None)
+        if entry is None:
+            return
+        fut, convert, first_version = entry
+        try:
+            fut.set_result(convert(out, first_version))
+        except BaseException as e:
+            fut.set_exception(e)
 
     def submit(self, requests: Sequence[GenerateRequest]) -> list[Future]:
         """Queue requests; each future resolves to a GenerateResult. Thread-safe."""

@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from jointrl.records import Message, ToolCall
 from rl.serve.core import (DEFAULT_CODEC, IMAGES_REFUSED, TIERS, ApiError, ChatCodec, ChatRequest, Choice, ServeSettings, ToolChoice,
-                           bad, check_limits, check_model, is_int, is_num, parse_budget_value, thinking_signature)
+                           bad, check_limits, check_model, is_int, parse_budget_value, sampling_numbers,
+                           thinking_signature)
 from rl.serve.service import Finished, Prepared, TextDelta
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -275,16 +276,7 @@ def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequ
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     tier, budget = _thinking(body, settings)
-    temperature = body.get("temperature", 1.0)
-    if temperature is None:
-        temperature = 1.0
-    if not is_num(temperature) or not 0 <= temperature <= 1:
-        raise bad(f"temperature must be a number in [0, 1], got {temperature!r}", "temperature")
-    top_p = body.get("top_p", 1.0)
-    if top_p is None:
-        top_p = 1.0
-    if not is_num(top_p) or not 0 < top_p <= 1:
-        raise bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    temperature, top_p = sampling_numbers(body, max_temperature=1.0)
     if body.get("top_k") is not None:
         raise bad("top_k is not supported by this server", "top_k")
     stops = body.get("stop_sequences") or []

@@ -67,6 +67,22 @@ def is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def sampling_numbers(body: Mapping[str, Any], max_temperature: float) -> tuple[float, float]:
+    """`temperature` in [0, max_temperature] and `top_p` in (0, 1] of a request body, each 1.0 when absent
+    or null (both APIs' default); a 400 naming the field otherwise. The ranges are each API's own."""
+    temperature = body.get("temperature", 1.0)
+    if temperature is None:
+        temperature = 1.0
+    if not is_num(temperature) or not 0 <= temperature <= max_temperature:
+        raise bad(f"temperature must be a number in [0, {max_temperature:g}], got {temperature!r}", "temperature")
+    top_p = body.get("top_p", 1.0)
+    if top_p is None:
+        top_p = 1.0
+    if not is_num(top_p) or not 0 < top_p <= 1:
+        raise bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    return temperature, top_p
+
+
 # ============================================================================ the internal request
 @dataclass(frozen=True)
 class ToolChoice:

@@ -153,16 +153,7 @@ class StreamingEngine(RolloutEngine):
                             del self._streams[out.request_id]
                         by_sink.setdefault(deliver, []).append(d)
                         continue
-                    if not out.finished:
-                        continue
-                    entry = self._pending.pop(out.request_id, None)
-                    if entry is None:
-                        continue
-                    fut, convert, first_version = entry
-                    try:
-                        fut.set_result(convert(out, first_version))
-                    except BaseException as e:
-                        fut.set_exception(e)
+                    self._resolve_finished(out)
             # Delivered outside the lock: the sinks only hand the deltas to an event loop.
             for deliver, deltas in by_sink.items():
                 deliver(deltas)

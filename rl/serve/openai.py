@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from jointrl.records import Message, ToolCall
 from rl.serve.core import (DEFAULT_CODEC, IMAGES_REFUSED, ApiError, ChatCodec, ChatRequest, Choice, ServeSettings, ToolChoice,
-                           TokenizerLike, bad, check_limits, check_model, is_int, is_num, parse_budget_value)
+                           TokenizerLike, bad, check_limits, check_model, is_int, parse_budget_value, sampling_numbers)
 from rl.serve.service import Finished, Prepared, TextDelta
 
 def _text_content(content: Any, where: str) -> str:
@@ -203,16 +203,7 @@ def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence
     if max_tokens is not None and (not is_int(max_tokens) or max_tokens <= 0):
         raise bad(f"{mparam} must be an integer > 0, got {max_tokens!r}", mparam)
 
-    temperature = body.get("temperature", 1.0)
-    if temperature is None:
-        temperature = 1.0
-    if not is_num(temperature) or not 0 <= temperature <= 2:
-        raise bad(f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
-    top_p = body.get("top_p", 1.0)
-    if top_p is None:
-        top_p = 1.0
-    if not is_num(top_p) or not 0 < top_p <= 1:
-        raise bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    temperature, top_p = sampling_numbers(body, max_temperature=2.0)
     seed = body.get("seed")
     if seed is not None and not is_int(seed):
         raise bad(f"seed must be an integer, got {seed!r}", "seed")
