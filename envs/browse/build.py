@@ -8,19 +8,17 @@ last and atomically. Any other `Corpus` (e.g. `DirectoryCorpus`) gets an index v
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from envs.browse.corpus import Corpus, DiskCorpus, write_corpus
 from envs.browse.index import build_index
 from envs.browse.synth import GENERATOR_VERSION, generate
 from jointrl import paths
+from jointrl.paths import cache_lock
 
 DEFAULT_PAGES = 10_000
 
@@ -37,16 +35,6 @@ class BuiltCorpus:
     index_path: Path
     root: Path
 
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _generator_fingerprint() -> str:
@@ -69,7 +57,7 @@ def load_or_build(num_pages: int = DEFAULT_PAGES, seed: int = 0, num_questions: 
         raise ValueError(f"num_pages must be >= 50, got {num_pages}")
     base = Path(cache_dir) / "browse" if cache_dir is not None else cache_root()
     root = base / synth_key(num_pages, seed, num_questions)
-    with _locked(base / f".{root.name}.lock"):
+    with cache_lock(base / f".{root.name}.lock"):
         ready = (root / "manifest.json").is_file() and (root / "index.sqlite").is_file()
         if ready and not rebuild:
             return BuiltCorpus(DiskCorpus(root), root / "index.sqlite", root)
@@ -98,7 +86,7 @@ def ensure_index(corpus: Corpus, cache_dir: str | Path | None = None) -> BuiltCo
     base = Path(cache_dir) / "browse" if cache_dir is not None else cache_root()
     digest = hashlib.sha256("\n".join(corpus.paths()).encode()).hexdigest()[:12]
     root = base / f"external-{corpus.name}-{digest}"
-    with _locked(base / f".{root.name}.lock"):
+    with cache_lock(base / f".{root.name}.lock"):
         db = root / "index.sqlite"
         if not db.is_file():
             root.mkdir(parents=True, exist_ok=True)
