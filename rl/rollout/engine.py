@@ -671,27 +671,27 @@ class RolloutEngine:
                 while not self._pending and not self._closed:
                     self._cv.wait()
                 if self._closed:
-                    for fut, _, _ in self._pending.values():
-                        fut.set_exception(EngineError("the rollout engine was shut down"))
-                    self._pending.clear()
+                    self._fail_pending("the rollout engine was shut down")
                     return
                 try:
                     outs = self.llm.llm_engine.step()
                 except BaseException as e:  # the engine is broken: fail everything waiting, loudly
                     log.exception("rollout engine step failed")
-                    for fut, _, _ in self._pending.values():
-                        fut.set_exception(EngineError(f"engine step failed: {e!r}"))
-                    self._pending.clear()
+                    self._fail_pending(f"engine step failed: {e!r}")
                     self._broken = repr(e)
                     continue
                 if not outs and not self.llm.llm_engine.has_unfinished_requests():
                     # Never spin on requests the engine no longer knows: fail them visibly.
-                    for fut, _, _ in self._pending.values():
-                        fut.set_exception(EngineError("request lost by the engine (no output and no unfinished requests)"))
-                    self._pending.clear()
+                    self._fail_pending("request lost by the engine (no output and no unfinished requests)")
                     continue
                 for out in outs:
                     self._resolve_finished(out)
+
+    def _fail_pending(self, why: str) -> None:
+        """Fail every submitted request still waiting, with `why` (caller holds the lock)."""
+        for fut, _, _ in self._pending.values():
+            fut.set_exception(EngineError(why))
+        self._pending.clear()
 
     def _resolve_finished(self, out: Any) -> None:
         """Resolve the future of a submitted request once vLLM reports it finished (caller holds the lock)."""

@@ -96,9 +96,7 @@ class StreamingEngine(RolloutEngine):
             self.llm.llm_engine.abort_request(ids)
 
     def _fail_all(self, why: str) -> None:
-        for fut, _, _ in self._pending.values():
-            fut.set_exception(EngineError(why))
-        self._pending.clear()
+        self._fail_pending(why)
         by_sink: dict[Deliver, list[StreamDelta]] = {}
         for rid, deliver in self._streams.items():
             by_sink.setdefault(deliver, []).append(StreamDelta(rid, (), (), "abort", self.policy_version, error=why))
