@@ -75,10 +75,12 @@ class ToolInvocation:
 
 @dataclass(frozen=True)
 class ToolOutput:
-    """A tool may return this instead of a str to report that its own inner work timed out."""
+    """A tool may return this instead of a str to report that its own inner work timed out, or to answer
+    with images (encoded PNG / JPEG; the agent loop decides what the policy sees of them)."""
 
     content: str
     timed_out: bool = False
+    images: tuple[bytes, ...] = ()
 
 
 # ----------------------------------------------------------------------------- observation clipping
@@ -198,6 +200,11 @@ class _Episode:
     truncated: bool = False
     truncation_reason: str = ""
     grade: Grade | None = None
+    # The episode's clock: time spent inside step() (tools), not the time between steps, which is the
+    # policy generating. On a shared engine that time depends on the batch and the machine's load, not
+    # on the agent; counting it truncated every episode of a 60 s rung under a 64-episode CPU batch.
+    env_s: float = 0.0
+    step_started: float | None = None
 
 
 class ToolEnv(Env):
@@ -273,7 +280,8 @@ class ToolEnv(Env):
         return prompt, self.tool_schemas
 
     def _time_left(self, ep: _Episode) -> float:
-        return ep.limits.episode_timeout_s - (time.monotonic() - ep.started)
+        running = time.monotonic() - ep.step_started if ep.step_started is not None else 0.0
+        return ep.limits.episode_timeout_s - (ep.env_s + running)
 
     async def step(self, assistant: Message, *, parse_errors: Sequence[str] = ()) -> StepResult:
         ep = self._ep
@@ -284,6 +292,14 @@ class ToolEnv(Env):
                               info={"error": "the episode is over; call grade()", **self._info(ep)})
         if not isinstance(assistant, Message):
             raise EnvUsageError(f"step() needs an envs.Message, got {type(assistant).__name__} (use Message.from_openai)")
+        ep.step_started = time.monotonic()
+        try:
+            return await self._step(ep, assistant, parse_errors)
+        finally:
+            ep.env_s += time.monotonic() - ep.step_started
+            ep.step_started = None
+
+    async def _step(self, ep: _Episode, assistant: Message, parse_errors: Sequence[str]) -> StepResult:
         unparsed = [_text(e) for e in ([parse_errors] if isinstance(parse_errors, str) else parse_errors or ())]
         ep.turns += 1
         ep.transcript.append(assistant)
@@ -333,10 +349,10 @@ class ToolEnv(Env):
         call_id = getattr(call, "id", None)
         call_id = call_id if isinstance(call_id, str) else None
 
-        def reply(text: str) -> Message:
+        def reply(text: str, images: tuple[bytes, ...] = ()) -> Message:
             text, clipped = clip_observation(text, ep.limits.max_obs_chars)
             ep.obs_clipped += clipped
-            return Message(role="tool", content=_valid_utf8(text), tool_call_id=call_id, name=name or None)
+            return Message(role="tool", content=_valid_utf8(text), tool_call_id=call_id, name=name or None, images=images)
 
         if ep.terminated:
             return reply("Not executed: the episode already ended in this turn.")
@@ -387,12 +403,16 @@ class ToolEnv(Env):
             ep.tool_timeouts += bool(result.timed_out)
         if spec.ends_episode:
             ep.terminated = True
-        return reply(text)
+        images = result.images if isinstance(result, ToolOutput) else ()
+        if not all(isinstance(b, bytes) for b in images):
+            ep.tool_errors += 1
+            return reply(f"Error: tool '{spec.name}' returned images that are not encoded bytes")
+        return reply(text, tuple(images))
 
     def _info(self, ep: _Episode) -> dict[str, Any]:
         return {"turn": ep.turns, "tool_calls": ep.tool_calls, "malformed_calls": ep.malformed_calls,
                 "tool_timeouts": ep.tool_timeouts, "tool_errors": ep.tool_errors, "obs_clipped": ep.obs_clipped,
-                "truncation_reason": ep.truncation_reason, "elapsed_s": time.monotonic() - ep.started}
+                "truncation_reason": ep.truncation_reason, "elapsed_s": time.monotonic() - ep.started, "env_s": ep.env_s}
 
     async def grade(self) -> Grade:
         ep = self._ep

@@ -34,3 +34,4 @@ def register_all() -> None:
     _try("cad", "envs.cad:register")
     _try("swe", "envs.swe:register")
     _try("reasoning_gym", "envs.reasoning_gym:register")
+    _try("verifiers", "envs.verifiers_adapter:register")

@@ -19,7 +19,7 @@ The project's own HybridMoe replays natively (`routed_experts=` of its forward);
 with `replay="native"`. Dense families have no router (`replay="none"`).
 
 What this module does not do: load checkpoints, talk to vLLM, or compute router losses / telemetry
-(rl/algos/router.py and rl/moe_telemetry.py take the logits and routes recorded here). It imports
+(rl/algos/router.py and rl/observe/moe.py take the logits and routes recorded here). It imports
 torch and transformers only.
 """
 from __future__ import annotations

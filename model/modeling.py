@@ -14,9 +14,10 @@ Outputs (`HybridMoeCausalLMOutput`, a transformers `MoeCausalLMOutputWithPast` p
 Routing replay: pass `routed_experts` [moe_layers, tokens, k] (tokens = B*T row-major) to reuse recorded routes.
 Caches: transformers' own `DynamicCache(config=...)` — `LinearAttentionLayer` (conv + recurrent state) for delta
 layers, `DynamicIndexedLayer` (K/V + indexer keys) for DSA layers — so `generate()` works unchanged.
-Images: `pixel_values` [N_img, C, H, W] are cut into `vision_patch_size` patches (raster order), linearly embedded
-(`model.patch_embed.proj`) and written at the `image_token_id` placeholder positions, in order. Text-only calls
-never touch the patch embedding.
+Images: `pixel_values` [N_img, C, H, W] (or a list of [C, H, W] of different sizes) are cut into `vision_patch_size`
+patches (raster order), linearly embedded (`model.patch_embed.proj`) and written at the `image_token_id`
+placeholder positions (or at `image_mask`), in order. Text-only calls never touch the patch embedding. Which
+images the model takes and how bytes become pixels: model/vision.py.
 
 What this module does not do: tokenisation / chat templates, vLLM serving (other modules), distributed
 training (DeepSpeed wraps it from outside; nothing here is partition-unsafe: experts are ordinary parameters,
@@ -171,25 +172,38 @@ class HybridMoeModel(HybridMoePreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def embed(self, input_ids_BT: torch.Tensor, pixel_values: torch.Tensor | None) -> torch.Tensor:
+    def embed(self, input_ids_BT: torch.Tensor, pixel_values, image_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with image patches written at the image positions, in order.
+
+        `pixel_values`: [N, C, H, W], or a sequence of [C, H, W] tensors of different sizes (concatenated
+        patches, image after image). `image_mask_BT`: which positions the patches go to; default: every
+        `image_token_id` token. Pass it when a sequence may hold a placeholder token that no image feeds
+        (one the policy generated itself): vLLM embeds such a token as text, and so does this then.
+        """
         x_BTD = self.embed_tokens(input_ids_BT)
         if pixel_values is None:
+            if image_mask_BT is not None and bool(image_mask_BT.any()):
+                raise ValueError("image_mask marks image positions but no pixel_values were given")
             return x_BTD
-        patches_PD = self.patch_embed(pixel_values)
-        is_img_BT = input_ids_BT == self.config.image_token_id
+        if isinstance(pixel_values, torch.Tensor):
+            patches_PD = self.patch_embed(pixel_values)
+        else:
+            patches_PD = torch.cat([self.patch_embed(px[None]) for px in pixel_values]) if len(pixel_values) else \
+                x_BTD.new_zeros((0, x_BTD.shape[-1]))
+        is_img_BT = input_ids_BT == self.config.image_token_id if image_mask_BT is None else image_mask_BT.bool()
         n_slots = int(is_img_BT.sum())
         if n_slots != patches_PD.shape[0]:
-            raise ValueError(f"{n_slots} image placeholder tokens (id {self.config.image_token_id}) in input_ids but "
+            raise ValueError(f"{n_slots} image positions (placeholder id {self.config.image_token_id}) in input_ids but "
                              f"pixel_values give {patches_PD.shape[0]} patches; they must match")
         return x_BTD.masked_scatter(is_img_BT[..., None], patches_PD.to(x_BTD.dtype))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 use_cache=None, pixel_values=None, routed_experts=None, output_hidden_states=None,
-                compute_indexer_loss: bool = False, **kwargs):
+                compute_indexer_loss: bool = False, image_mask=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            inputs_embeds = self.embed(input_ids, pixel_values)
+            inputs_embeds = self.embed(input_ids, pixel_values, image_mask)
         elif pixel_values is not None:
             raise ValueError("pixel_values need input_ids (to find the image placeholders), not inputs_embeds")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -257,7 +271,7 @@ class HybridMoeForCausalLM(HybridMoePreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 labels=None, use_cache=None, output_router_logits=None, output_hidden_states=None, pixel_values=None,
                 routed_experts=None, output_indexer_loss=None, logits_to_keep: int = 0, return_dict=None,
-                **kwargs) -> HybridMoeCausalLMOutput:
+                image_mask=None, **kwargs) -> HybridMoeCausalLMOutput:
         cfg = self.config
         output_router_logits = cfg.output_router_logits if output_router_logits is None else output_router_logits
         if output_indexer_loss is None:
@@ -266,7 +280,7 @@ class HybridMoeForCausalLM(HybridMoePreTrainedModel, GenerationMixin):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             pixel_values=pixel_values, routed_experts=routed_experts, output_hidden_states=output_hidden_states,
-            compute_indexer_loss=output_indexer_loss)
+            compute_indexer_loss=output_indexer_loss, image_mask=image_mask)
         sl = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.lm_head(h[:, sl, :])
         T = h.shape[1]

@@ -13,14 +13,18 @@ How the architecture maps onto Qwen3-Next (model/modeling.py was built Qwen3-Nex
   with top-k >= visible tokens is dense causal attention). On CPU (no sparse-attention kernel in vLLM)
   any other configuration is refused with a clear error; on GPU the same limit applies until a DSA
   path for this architecture is wired (not done here).
-- The lightning-indexer weights (`self_attn.indexer.*`) and the image patch embedding are not loaded
-  (text-only serving; the indexer cannot change the output in the dense regime).
+- The lightning-indexer weights (`self_attn.indexer.*`) are not loaded (the indexer cannot change the output
+  in the dense regime).
+- Images: the class is a vLLM multimodal model (model/vllm_vision.py: processor registration, one
+  `<|image|>` per image expanded to one per patch, the patch embedding `model.patch_embed.proj`). An engine
+  built with `limit_mm_per_prompt={"image": 0}` or `language_model_only=True` is text-only: no patch
+  embedding is built and its weights are skipped.
 - The aux-loss-free routing bias (`mlp.gate.e_score_correction_bias`) has no counterpart in Qwen3-Next:
   it is accepted only when it is all zeros (otherwise expert choice would differ) and refused otherwise.
 - vLLM's CPU gated-delta kernel needs bf16 and linear-attention head dims 64/128 (docs/platform.md); refused
   otherwise, with the reason.
 
-What it does not do: serve images, or sparse attention on GPUs.
+What it does not do: sparse attention on GPUs, or image input for any other architecture.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from typing import Any, Iterable
 log = logging.getLogger(__name__)
 
 ARCH = "HybridMoeForCausalLM"
-_SKIP_PREFIXES = ("model.patch_embed.",)
+_VISION_PREFIX = "model.patch_embed."
 _SKIP_PARTS = (".self_attn.indexer.",)
 
 
@@ -65,11 +69,16 @@ def _qwen3_next_layer_types(layer_types: Iterable[str]) -> list[str]:
 def _model_class() -> type:
     """Build the vLLM model class (imports vLLM's Qwen3-Next: only when vLLM instantiates the model)."""
     import torch
+    from vllm.model_executor.models.interfaces import SupportsMultiModal
     from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
     from vllm.platforms import current_platform
 
-    class HybridMoeVllmForCausalLM(Qwen3NextForCausalLM):
-        """Qwen3-Next with DSA layers as dense gated attention, indexer weights skipped."""
+    from model.vllm_vision import HybridMoeVisionMixin, registered
+
+    @registered
+    class HybridMoeVllmForCausalLM(HybridMoeVisionMixin, Qwen3NextForCausalLM, SupportsMultiModal):
+        """Qwen3-Next with DSA layers as dense gated attention, indexer weights skipped, image patches
+        embedded at their placeholders."""
 
         def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
             mc = vllm_config.model_config
@@ -80,11 +89,18 @@ def _model_class() -> type:
                 if not hasattr(c, "attn_output_gate"):
                     c.attn_output_gate = True  # gated attention, as in Qwen3-Next
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._init_vision(vllm_config)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            vision: list[tuple[str, torch.Tensor]] = []
+
             def filtered() -> Iterable[tuple[str, torch.Tensor]]:
                 for name, t in weights:
-                    if name.startswith(_SKIP_PREFIXES) or any(p in name for p in _SKIP_PARTS):
+                    if name.startswith(_VISION_PREFIX):
+                        if self.patch_embed is not None:  # text-only engine: nothing to load them into
+                            vision.append((name, t))
+                        continue
+                    if any(p in name for p in _SKIP_PARTS):
                         continue
                     if name.endswith("mlp.gate.e_score_correction_bias"):
                         if torch.count_nonzero(t):
@@ -92,7 +108,8 @@ def _model_class() -> type:
                         continue
                     yield name, t
 
-            return super().load_weights(filtered())
+            loaded = super().load_weights(filtered())
+            return loaded | self.load_vision_weights(vision)
 
     return HybridMoeVllmForCausalLM
 

@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "models":
             return _call("rl.models_cli", "main", "the model hub CLI", args)
         if args.cmd == "report":
-            return _call("rl.report", "main", "the HTML report", args.run_dir, args.out)
+            return _call("rl.observe.report", "main", "the HTML report", args.run_dir, args.out)
     except ConfigError as e:
         print(f"jointrl: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

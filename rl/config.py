@@ -49,7 +49,9 @@ def _yaml(text: str) -> Any:
 class ModelSection:
     """Which policy to train."""
 
-    arch: str = "tiny"  # a shipped model config (configs/model/<name>.json), or a path to a HF checkpoint dir
+    # a shipped model config (configs/model/<name>.json: random weights), a pullable pretrained model by name
+    # (`jointrl models list`: pulled on first use, cached, then read from its directory), or a HF checkpoint dir
+    arch: str = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"  # trainer dtype
     seed: int = 0
     router_aux_loss_coef: float = 0.001  # small during RL (public practice); always logged
@@ -95,11 +97,23 @@ class RolloutSection:
     # worker asks Ray for: 0 = a CPU engine; whole numbers give each worker GPUs of its own, apart from
     # the trainer's (trainer.gpus_per_rank); a fraction lets roles share one GPU (not with NCCL sync).
     gpus_per_worker: float = 0.0
+    # torch / OpenMP threads of each CPU engine. Ray starts a num_cpus=1 actor with OMP_NUM_THREADS=1;
+    # in sync mode the engines idle while the trainer steps, so a 2-core machine can give each phase both
+    # cores (docs/models.md, "RolloutWorker vs bare vLLM"). More threads than free cores make OpenMP's
+    # spin-waiting threads slower than one thread, so the default stays 1.
+    threads_per_worker: int = 1
     tensor_parallel_size: int = 1  # vLLM TP ranks per worker; > 1 is GPU only and needs gpus_per_worker = tensor_parallel_size
     # A custom Ray resource every rollout worker requires ("" = none): only nodes started with it
     # (`ray start --resources '{"rollout_node": 1}'`) host workers. Each worker takes
     # NODE_RESOURCE_UNIT of it, so the node's amount does not limit how many it hosts.
     node_resource: str = ""
+    # Images one episode may show the policy (task views, tool results; docs/multimodal.md). 0: text only,
+    # and messages' images reach the policy as a one-line text note. > 0 needs a model with a vision tower
+    # (HybridMoe) and the jointrl chat codec; at most model.vision.MAX_IMAGES_PER_PROMPT.
+    max_images_per_prompt: int = 0
+    # What an image shows the policy: "real" pixels, or "blank" (every pixel mid-grey, same size and
+    # placeholders): the control arm that measures whether the policy uses what it sees.
+    image_pixels: Literal["real", "blank"] = "real"
 
 
 @dataclass
@@ -193,6 +207,12 @@ class TrainerSection:
     checkpoint_every: int = 0  # 0 = only at the end
     resume: bool = True
     lora: LoraSection = field(default_factory=LoraSection)
+    # The input embeddings and the first N decoder layers do not train (with tied embeddings the LM head
+    # neither): backward stops at layer N and no optimizer moments are kept for them. 0 = all train.
+    frozen_layers: int = 0
+    # torch intra-op threads of each trainer rank. In sync mode on a CPU machine the engines idle while the
+    # trainer works, so the trainer may take every core (docs/training.md, "Knobs on 2 cores").
+    threads_per_rank: int = 1
 
 
 @dataclass
@@ -200,9 +220,16 @@ class EvalSection:
     """Held-out evaluation before and after RL (and `jointrl eval`)."""
 
     n_per_domain: int = 0  # held-out tasks per domain; 0 = max(2, trainer.tasks_per_step)
+    # Held-out episodes per evaluation arm over all domains, split across families, then domains
+    # (rl/eval_plan.py: one task per domain where it allows, then even per family, by weight inside one);
+    # for runs with hundreds of domains. 0 = off (eval.n_per_domain tasks in every domain).
+    budget_episodes: int = 0
     samples: int = 1  # episodes per task; success/reward are means over all of them (pass@1 estimate)
     temperature: float = 0.0  # 0 = greedy; with samples > 1 use the training temperature to measure the policy itself
     seed: int = 12345
+    # After RL, also evaluate the third arm: the trainer state RL started from (saved after the SFT warm
+    # start), trained with SFT for as long as RL ran. Shows whether the gain is RL's or more supervision's.
+    sft_control: bool = False
 
 
 @dataclass
@@ -361,8 +388,32 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         k, v = ov.split("=", 1)
         _set_dotted(data, k.strip(), _parse_scalar(v), dataclasses.asdict(RunConfig()))
     cfg = _build(RunConfig, data, "")
+    cfg = resolve_pullable(cfg)
     validate(cfg)
     return cfg
+
+
+def resolve_pullable(cfg: RunConfig) -> RunConfig:
+    """`model.arch` (and `model.reference`) naming a pullable pretrained model (model/hub.py) becomes that
+    model's checkpoint directory, pulled first if this machine has not pulled it yet (cached, file-locked,
+    offline after the first pull). Everything after this sees a directory, as if the user had given one."""
+    from model import hub
+
+    def resolved(key: str, value: str) -> str:
+        if value not in hub.names():
+            return value
+        if not hub.is_cached(value):
+            import sys
+
+            print(f"config: pulling {value} (first use; `jointrl models pull {value}`)", file=sys.stderr, flush=True)
+        try:
+            return str(hub.pull(value))
+        except hub.PullError as e:
+            raise ConfigError(f"config key '{key}': {value!r} names a pullable model, and pulling it failed: {e}") from e
+
+    model = dataclasses.replace(cfg.model, arch=resolved("model.arch", cfg.model.arch),
+                                reference=resolved("model.reference", cfg.model.reference))
+    return dataclasses.replace(cfg, model=model)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -393,6 +444,8 @@ def validate(cfg: RunConfig) -> None:
         "rollout.num_workers": cfg.rollout.num_workers,
         "trainer.num_workers": cfg.trainer.num_workers,
         "trainer.cpus_per_rank": cfg.trainer.cpus_per_rank,
+        "trainer.threads_per_rank": cfg.trainer.threads_per_rank,
+        "rollout.threads_per_worker": cfg.rollout.threads_per_worker,
         "rollout.max_model_len": cfg.rollout.max_model_len,
         "eval.samples": cfg.eval.samples,
     }
@@ -405,15 +458,33 @@ def validate(cfg: RunConfig) -> None:
     if cfg.envs.dump_temperature <= 0:
         raise ConfigError(f"config key 'envs.dump_temperature': value {cfg.envs.dump_temperature} must be > 0")
     for k, v in {"eval.n_per_domain": cfg.eval.n_per_domain, "trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
+                 "trainer.frozen_layers": cfg.trainer.frozen_layers,
                  "eval.temperature": cfg.eval.temperature}.items():
         if v < 0:
             raise ConfigError(f"config key '{k}': value {v} must be >= 0")
+    if cfg.eval.budget_episodes < 0:
+        raise ConfigError(f"config key 'eval.budget_episodes': value {cfg.eval.budget_episodes} must be >= 0 (0 = off)")
+    if 0 < cfg.eval.budget_episodes < cfg.eval.samples:
+        raise ConfigError(f"config key 'eval.budget_episodes': value {cfg.eval.budget_episodes} is less than one task's "
+                          f"eval.samples={cfg.eval.samples} episodes; allowed: 0 (off) or >= eval.samples")
+    if cfg.eval.budget_episodes and cfg.eval.n_per_domain:
+        raise ConfigError("config keys 'eval.budget_episodes' and 'eval.n_per_domain': set one of them (the budget "
+                          f"decides tasks per domain itself); got {cfg.eval.budget_episodes} and {cfg.eval.n_per_domain}")
     if cfg.eval.samples > 1 and cfg.eval.temperature == 0.0:
         raise ConfigError("config key 'eval.samples': more than one sample per task needs eval.temperature > 0 "
                           "(greedy samples are identical)")
     if not (0.0 <= cfg.algorithm.gamma <= 1.0 and 0.0 <= cfg.algorithm.lam <= 1.0):
         raise ConfigError(f"config keys 'algorithm.gamma' / 'algorithm.lam': {cfg.algorithm.gamma} / {cfg.algorithm.lam} "
                           "must each be in [0, 1]")
+    from model.vision import MAX_IMAGES_PER_PROMPT
+    from rl.rollout import codec
+
+    if not 0 <= cfg.rollout.max_images_per_prompt <= MAX_IMAGES_PER_PROMPT:
+        raise ConfigError(f"config key 'rollout.max_images_per_prompt': value {cfg.rollout.max_images_per_prompt} must be "
+                          f"in [0, {MAX_IMAGES_PER_PROMPT}]")
+    if cfg.rollout.max_images_per_prompt and codec.resolve_codec_name(cfg.model.chat_codec, cfg.model.arch) != "jointrl":
+        raise ConfigError("config key 'rollout.max_images_per_prompt': images need the jointrl chat codec (the only one "
+                          f"that places image placeholders); model.chat_codec={cfg.model.chat_codec!r} resolves otherwise")
     if cfg.trainer.max_staleness < 1:
         raise ConfigError(f"config key 'trainer.max_staleness': value {cfg.trainer.max_staleness} must be >= 1")
     if cfg.trainer.gpus_per_rank < 0:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rl.config import RunConfig
+from rl.eval_plan import plan_for_run
 from rl.log import get_logger, setup_logging
 
 log = get_logger("eval")
@@ -41,10 +42,13 @@ def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequen
     `eval.samples` episodes per task at `eval.temperature`; writes RUN_DIR/eval_<label>.json."""
     ev = rt.cfg.eval
     n = n_per_domain or ev.n_per_domain or max(2, rt.cfg.trainer.tasks_per_step)
+    plan = plan_for_run(rt).tasks if n_per_domain is None and ev.budget_episodes else None  # tasks per domain to fit the budget
     rows: list[EvalRow] = []
     for d in rt.domains:
+        if plan is not None and plan[d] == 0:
+            continue
         for tier in tiers or (None,):
-            tasks = rt.eval_tasks[d][:n]
+            tasks = rt.eval_tasks[d][:plan[d] if plan is not None else n]
             if tier is not None:
                 from dataclasses import replace
 
@@ -91,30 +95,136 @@ def paired_diff(before: Sequence[float], after: Sequence[float], confidence: flo
     return PairedDiff(n, mean, mean - half, mean + half, mean / se)
 
 
-def format_eval_table(before: Sequence[EvalRow], after: Sequence[EvalRow] | None = None) -> str:
+def format_eval_table(before: Sequence[EvalRow], after: Sequence[EvalRow] | None = None,
+                      control: Sequence[EvalRow] | None = None) -> str:
     """Per domain (and tier): success, reward, tokens and turns; with `after`, the same columns after RL
-    and the paired gain in success with its 95% confidence interval and paired t."""
-    head = f"{'domain':<10} {'tier':<5} {'n':>3} {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
+    and the paired gain in success with its 95% confidence interval and paired t; with `control` (the SFT
+    control arm), its success and the paired gain of RL over it."""
+    head = f"{'domain':<16} {'tier':<5} {'n':>4} {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6}"
     if after is not None:
         head += f" | {'success':>8} {'reward':>7} {'tokens':>7} {'turns':>6} | {'gain':>6} {'95% CI':>15} {'t':>6}"
+    if control is not None:
+        head += f" | {'sft ctl':>8} {'RL-ctl':>7} {'t':>6}"
     lines = [head, "-" * len(head)]
+    ctl_by = {(c.domain, c.tier): c for c in control or ()}
     for i, b in enumerate(before):
-        line = f"{b.domain:<10} {b.tier:<5} {b.n:>3} {b.success:>8.3f} {b.reward:>7.3f} {b.tokens:>7.1f} {b.turns:>6.2f}"
-        if after is not None and i < len(after):
-            a = after[i]
+        line = f"{b.domain:<16} {b.tier:<5} {b.n:>4} {b.success:>8.3f} {b.reward:>7.3f} {b.tokens:>7.1f} {b.turns:>6.2f}"
+        a = after[i] if after is not None and i < len(after) else None
+        if a is not None:
             line += f" | {a.success:>8.3f} {a.reward:>7.3f} {a.tokens:>7.1f} {a.turns:>6.2f}"
             if len(a.task_success) == len(b.task_success) and b.task_success:
                 p = paired_diff(b.task_success, a.task_success)
                 line += f" | {p.mean:>+6.3f} [{p.ci_low:>+6.3f},{p.ci_high:>+6.3f}] {p.t:>6.2f}"
             else:
                 line += f" | {a.success - b.success:>+6.3f} {'(unpaired)':>15} {'-':>6}"
+        c = ctl_by.get((b.domain, b.tier))
+        if control is not None and a is not None and c is not None:
+            if len(c.task_success) == len(a.task_success) and a.task_success:
+                q = paired_diff(c.task_success, a.task_success)
+                line += f" | {c.success:>8.3f} {q.mean:>+7.3f} {q.t:>6.2f}"
+            else:
+                line += f" | {c.success:>8.3f} {a.success - c.success:>+7.3f} {'-':>6}"
         lines.append(line)
     return "\n".join(lines)
 
-def print_eval_table(run_dir: Path, before: Sequence[EvalRow], after: Sequence[EvalRow]) -> None:
-    text = "held-out evaluation: before RL | after RL\n" + format_eval_table(before, after)
+def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Confidence interval of the mean of per-task success (Student's t over tasks, n - 1 degrees of
+    freedom): the same model of the data as `paired_diff`, one arm alone. (-inf, inf) below two tasks."""
+    from scipy.stats import t as student_t
+
+    x = np.asarray(values, dtype=np.float64)
+    n = int(x.size)
+    if n < 2:
+        return (-math.inf, math.inf)
+    half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * float(x.std(ddof=1)) / math.sqrt(n)
+    return (float(x.mean()) - half, float(x.mean()) + half)
+
+
+def tasks_to_resolve(sd_diff: float, gain: float, t: float = 3.0) -> int:
+    """Held-out tasks a paired comparison needs so that a true mean gain `gain` reaches paired t >= `t`,
+    given the standard deviation `sd_diff` of the per-task differences (after - before) measured on an
+    earlier run: t = gain / (sd_diff / sqrt(n))  =>  n = (t x sd_diff / gain)^2, rounded up. This is the
+    expected t at the true gain (no power margin): half of such runs land below t."""
+    if gain <= 0 or sd_diff < 0:
+        raise ValueError(f"tasks_to_resolve: gain must be > 0 and sd_diff >= 0 (got gain={gain}, sd_diff={sd_diff})")
+    return max(2, math.ceil((t * sd_diff / gain) ** 2))
+
+
+@dataclass(frozen=True)
+class EnvResult:
+    """One environment's held-out comparison, as written to eval.json (the quickstart's contract)."""
+
+    n: int
+    success_before: float
+    success_after: float
+    ci95_before: tuple[float, float]
+    ci95_after: tuple[float, float]
+    paired_t: float
+    gain: float
+    gain_ci95: tuple[float, float]
+    samples: int
+
+
+def compare(before: Sequence[EvalRow], after: Sequence[EvalRow]) -> list[tuple[EvalRow, EnvResult]]:
+    """Pair each before-row with its after-row (same domain and tier) into an `EnvResult`."""
+    after_by = {(a.domain, a.tier): a for a in after}
+    out = []
+    for b in before:
+        a = after_by.get((b.domain, b.tier))
+        if a is None:
+            continue
+        p = paired_diff(b.task_success, a.task_success)
+        out.append((b, EnvResult(n=b.n, success_before=b.success, success_after=a.success, ci95_before=mean_ci(b.task_success),
+                                 ci95_after=mean_ci(a.task_success), paired_t=p.t, gain=p.mean, gain_ci95=(p.ci_low, p.ci_high),
+                                 samples=b.samples)))
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no inf: an undefined interval or t is null
+
+
+def write_eval_json(path: Path, env_ids: dict[str, str], before: Sequence[EvalRow], after: Sequence[EvalRow],
+                    control: Sequence[EvalRow] | None = None, rl_seconds: float | None = None) -> dict:
+    """`{"domains": {ENV_ID: {n, success_before, success_after, ci95_before, ci95_after, paired_t, ...}}}`, one
+    entry per evaluated environment id (`env_ids`: the run's domain key -> environment id). With several tiers
+    of one environment the id is suffixed `@tier`. With the SFT control arm, each entry also has
+    `success_sft_control`, `ci95_sft_control` and `paired_t_rl_vs_sft_control`. With `rl_seconds` (RL's wall
+    time), the top level has it and each entry `points_per_10min`: held-out points gained per 10 minutes of RL."""
+    pairs = compare(before, after)
+    ctl = {(r.domain, r.tier): (r, res) for r, res in compare(control, after)} if control else {}
+    ctl_rows = {(c.domain, c.tier): c for c in control or ()}
+    tiers: dict[str, set[str]] = {}
+    for b, _ in pairs:
+        tiers.setdefault(b.domain, set()).add(b.tier)
+    doc: dict = {"domains": {}}
+    if rl_seconds is not None:
+        doc["rl_seconds"] = rl_seconds
+    for b, r in pairs:
+        key = env_ids.get(b.domain, b.domain) + (f"@{b.tier}" if len(tiers[b.domain]) > 1 else "")
+        doc["domains"][key] = {"domain": b.domain, "tier": b.tier, "n": r.n, "samples": r.samples,
+                               "success_before": r.success_before, "success_after": r.success_after,
+                               "ci95_before": [_finite(x) for x in r.ci95_before], "ci95_after": [_finite(x) for x in r.ci95_after],
+                               "paired_t": _finite(r.paired_t), "gain": r.gain, "gain_ci95": [_finite(x) for x in r.gain_ci95]}
+        if rl_seconds:
+            doc["domains"][key]["points_per_10min"] = 100.0 * r.gain / (rl_seconds / 600.0)
+        if (b.domain, b.tier) in ctl:
+            c, rc = ctl[(b.domain, b.tier)]  # compare(control, after): "before" = the control arm
+            doc["domains"][key].update({"success_sft_control": c.success,
+                                        "ci95_sft_control": [_finite(x) for x in mean_ci(ctl_rows[(b.domain, b.tier)].task_success)],
+                                        "gain_rl_vs_sft_control": rc.gain, "paired_t_rl_vs_sft_control": _finite(rc.paired_t)})
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def print_eval_table(run_dir: Path, before: Sequence[EvalRow], after: Sequence[EvalRow], env_ids: dict[str, str] | None = None,
+                     control: Sequence[EvalRow] | None = None, rl_seconds: float | None = None) -> None:
+    """Print the before/after (| SFT control) table; write RUN_DIR/eval_table.txt and RUN_DIR/eval.json."""
+    title = "held-out evaluation: before RL (after SFT) | after RL" + (" | SFT continued for RL's wall time" if control else "")
+    text = title + "\n" + format_eval_table(before, after, control)
     print(text, flush=True)
     (Path(run_dir) / "eval_table.txt").write_text(text + "\n")
+    write_eval_json(Path(run_dir) / "eval.json", env_ids or {}, before, after, control, rl_seconds)
 
 
 def main(cfg: RunConfig, checkpoint: str, tasks_per_domain: int = 8, tiers: Sequence[str] | None = None) -> int:

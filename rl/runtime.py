@@ -25,7 +25,7 @@ import torch
 from jointrl.records import Task
 from rl.config import NODE_RESOURCE_UNIT, ConfigError, ModelSection, RunConfig, to_dict
 from rl.log import get_logger
-from rl.metrics import MetricsSink
+from rl.observe.sink import MetricsSink
 from rl.types import Episode, RolloutGroup
 
 log = get_logger("runtime")
@@ -61,6 +61,20 @@ def build_codec(model: ModelSection, checkpoint_dir: Path):
 
 
 ROLLOUT_CPUS = 1  # Ray resources of each rollout worker actor
+
+
+def start_local_ray(log_to_driver: bool = True) -> None:
+    """A private Ray instance on this machine, as a run without RAY_ADDRESS starts it.
+
+    Ray's raylet starts workers at niceness 15, while sandboxes and graders run at 0: on a busy
+    machine the trainer and engines would get the leftovers. A run's actors are its main work, so
+    they run at 0 (an explicit RAY_worker_niceness wins).
+    """
+    import ray
+
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=log_to_driver,
+             _temp_dir=os.environ.get("RAY_TMPDIR"))
 
 
 def describe_placement(cfg: RunConfig) -> list[str]:
@@ -170,6 +184,7 @@ class Runtime:
         self.ckpt_dir = self.run_dir / "checkpoint"
         self.start_step = 0
         self.policy_version = 0
+        self.rl_seconds = 0.0  # wall time of the RL steps done so far (kept in checkpoints)
         self._actors: list[Any] = []
         self._ref_cache: dict[tuple[int, ...], Any] = {}
         self._next_update_version: int | None = None  # read from the trainer when nothing is in flight
@@ -204,8 +219,11 @@ class Runtime:
         serve_dir = self.ckpt_dir / "hf" if resume and self.lora is None else init_dir
         self.codec = build_codec(cfg.model, init_dir)
         self.tok = self.codec.tokenizer
+        self.image_settings = self._image_settings(init_dir)
 
-        # Task pools: train split for RL/SFT, held-out split for evaluation.
+        # Task pools: train split for RL/SFT, held-out split for evaluation. Each task is labelled with the
+        # run's domain key (`envs.weights`), so a curriculum rung and its full domain (e.g. terminal-basics-v0
+        # and terminal-v0, both "terminal" in their env) are sampled, logged and evaluated apart.
         self.domains = [d for d, w in cfg.envs.weights.items() if w > 0]
         self.env_ids = {d: cfg.envs.env_ids[d] for d in self.domains}
         self.train_tasks: dict[str, list[Task]] = {}
@@ -214,8 +232,8 @@ class Runtime:
             tier = cfg.envs.default_tier.get(d, "high")
             ds_train = envs.tasks(self.env_ids[d], "train", seed=cfg.envs.seed)
             ds_eval = envs.tasks(self.env_ids[d], "heldout", seed=cfg.envs.seed)
-            self.train_tasks[d] = [self._with_defaults(Task.from_row(r), tier) for r in ds_train]
-            self.eval_tasks[d] = [self._with_defaults(Task.from_row(r), tier) for r in ds_eval]
+            self.train_tasks[d] = [self._with_defaults(Task.from_row(r), tier, d) for r in ds_train]
+            self.eval_tasks[d] = [self._with_defaults(Task.from_row(r), tier, d) for r in ds_eval]
         self.sampler = DomainSampler(self.train_tasks, dict(cfg.envs.weights), seed=cfg.envs.seed,
                                      adaptive=cfg.envs.adaptive_weights, min_weight=cfg.envs.min_weight)
 
@@ -224,8 +242,7 @@ class Runtime:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
             else:
-                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
-                         _temp_dir=os.environ.get("RAY_TMPDIR"))
+                start_local_ray(log_to_driver=True)
         check_node_resources(cfg, with_trainer)
         check_gpu_resources(cfg, with_trainer)
         if with_trainer:
@@ -239,11 +256,11 @@ class Runtime:
             # engine holds what the last sync sent (bf16 / MXFP4 differ), so send it the same way.
             self.sync_weights()
 
-    def _with_defaults(self, t: Task, tier: str) -> Task:
+    def _with_defaults(self, t: Task, tier: str, domain: str) -> Task:
         from dataclasses import replace
 
         limits = replace(t.limits, max_turns=min(t.limits.max_turns, self.cfg.envs.max_turns))
-        return replace(t, limits=limits, thinking=t.thinking if t.thinking in ("low", "high", "max") else tier)
+        return replace(t, domain=domain, limits=limits, thinking=t.thinking if t.thinking in ("low", "high", "max") else tier)
 
     def _start_trainer(self, init_dir: Path, resume: bool) -> None:
         from rl.objective import RLObjective
@@ -260,8 +277,9 @@ class Runtime:
                            grad_clip=cfg.trainer.grad_clip, warmup_steps=cfg.trainer.warmup_steps,
                            micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
                            routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias,
-                           **({"lora": self.lora.spec} if self.lora is not None else {}))
+                           frozen_layers=cfg.trainer.frozen_layers, **({"lora": self.lora.spec} if self.lora is not None else {}))
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
+        cache_env["JOINTRL_TRAINER_THREADS"] = str(cfg.trainer.threads_per_rank)  # read by rl/trainer/actor.py
         t = cfg.trainer
         critic = CriticSpec(lr=t.critic_lr, value_clip=a.value_clip, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                             zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, dtype=cfg.model.dtype) \
@@ -344,6 +362,22 @@ class Runtime:
 
         return envs.make(self.env_ids[task.domain])
 
+    def _image_settings(self, model_dir: Path):
+        """What images reach the policy (rollout.max_images_per_prompt / image_pixels); refused up front for a
+        checkpoint without a vision tower."""
+        from transformers import AutoConfig
+
+        import model  # noqa: F401 - registers HybridMoe with AutoConfig
+        from model.vision import VisionSpec
+        from rl.rollout.multimodal import ImageSettings
+
+        r = self.cfg.rollout
+        spec = VisionSpec.from_config(AutoConfig.from_pretrained(str(model_dir)))
+        if r.max_images_per_prompt and spec is None:
+            raise ConfigError(f"config key 'rollout.max_images_per_prompt': {r.max_images_per_prompt} images per episode, but "
+                              f"{self.cfg.model.arch!r} has no vision tower (image input is HybridMoe's only); set it to 0")
+        return ImageSettings(spec=spec, max_images=r.max_images_per_prompt, pixels=r.image_pixels)
+
     def _loop_settings(self, temperature: float | None = None):
         from rl.rollout.agent_loop import LoopSettings
 
@@ -351,7 +385,8 @@ class Runtime:
         return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
                             temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                             thinking_budgets=dict(r.thinking_budgets), max_turns=self.cfg.envs.max_turns,
-                            end_token_id=self.codec.end_token_id, per_request_seed=r.seeded_requests)
+                            end_token_id=self.codec.end_token_id, per_request_seed=r.seeded_requests,
+                            images=self.image_settings)
 
     def run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
         from rl.rollout.agent_loop import BatchingGenerator, run_groups
@@ -373,7 +408,7 @@ class Runtime:
         Determinism); `draw` numbers the extra rollouts of one step (oversampling)."""
         from rl.rollout.agent_loop import derive_seed, rollout_seed
 
-        from rl.telemetry import rollout_metrics
+        from rl.observe.telemetry import rollout_metrics
 
         t0 = time.perf_counter()
         G = self.cfg.algorithm.group_size
@@ -542,7 +577,7 @@ class Runtime:
 
     def checkpoint(self, step: int) -> None:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        state = {"sampler": self.sampler.state_dict(), "step": step,
+        state = {"sampler": self.sampler.state_dict(), "step": step, "rl_seconds": self.rl_seconds,
                  "py_random": random.getstate(), "np_random": np.random.get_state()}
         self.trainer.save_checkpoint(str(self.ckpt_dir / "ds"), {"driver": state})
         self.trainer.save_hf(str(self.ckpt_dir / "hf"))
@@ -561,6 +596,7 @@ class Runtime:
             random.setstate(drv["py_random"])
         if "np_random" in drv:
             np.random.set_state(drv["np_random"])
+        self.rl_seconds = float(drv.get("rl_seconds", 0.0))
         self.start_step = int(meta["step"])
         self.policy_version = int(meta["policy_version"])
         # Said once, in these words, so a log shows how the run came back: a lost trainer (or a

@@ -91,34 +91,63 @@ async def reference_episodes(tasks: Sequence[Task], make_env: Callable[[Task], A
     return [e for e in out if e is not None]
 
 
-def sft_warm_start(rt: Any, steps: int) -> dict[str, float]:
-    """Supervised warm start on reference trajectories of train tasks (all weighted domains), through
-    the runtime's trainer (`rt`: rl.runtime.Runtime); the engines are not synced here."""
-    import json
-    import random
-
-    from rl.log import progress
-
+def sft_data(rt: Any) -> list[Episode]:
+    """The run's SFT set: reference trajectories of the first `trainer.sft_tasks_per_domain` *train* tasks
+    of every weighted domain that score 1 and fit `rollout.max_model_len`. Built once per runtime (the
+    warm start and the SFT control arm use the same set). Held-out tasks never enter it."""
+    cached = getattr(rt, "_sft_episodes", None)
+    if cached is not None:
+        return cached
     per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
     tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
     eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.codec, max_concurrent=rt.cfg.envs.sandbox_slots))
-    if not eps:
-        log.warning("SFT: no reference trajectories; skipping the warm start")
-        return {}
     eps = [e for e in eps if len(e.token_ids) <= rt.cfg.rollout.max_model_len]
-    log.info("SFT warm start: %d reference trajectories, %d steps", len(eps), steps)
-    rng = random.Random(rt.cfg.model.seed)
+    rt._sft_episodes = eps
+    return eps
+
+
+def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, label: str = "sft",
+              seed_offset: int = 0) -> dict[str, float]:
+    """Supervised steps on `sft_data(rt)` through the runtime's trainer: `steps` of them, or as many as fit in
+    `seconds` of wall time (the SFT control arm: SFT continued for as long as RL ran). Batches are
+    `trainer.micro_batch_size` trajectories drawn without replacement per step. The engines are not synced."""
+    import json
+    import random
+    import time
+
+    from rl.log import progress
+
+    if (steps is None) == (seconds is None):
+        raise ValueError("sft_train: give exactly one of steps or seconds")
+    eps = sft_data(rt)
+    if not eps:
+        log.warning("%s: no reference trajectories; no supervised steps", label)
+        return {}
+    log.info("%s: %d reference trajectories, %s", label, len(eps), f"{steps} steps" if steps is not None else f"{seconds:.0f} s")
+    rng = random.Random(rt.cfg.model.seed + seed_offset)
     rt.trainer.set_lr(rt.cfg.trainer.sft_lr)
     m: dict[str, float] = {}
     bs = max(1, rt.cfg.trainer.micro_batch_size)
-    bar = progress(range(steps), desc="sft", total=steps)
-    with open(rt.run_dir / "sft_metrics.jsonl", "a", encoding="utf-8") as f:
+    t0 = time.perf_counter()
+    done = 0
+    bar = progress(range(steps) if steps is not None else iter(int, 1), desc=label, total=steps)
+    with open(rt.run_dir / f"{label}_metrics.jsonl", "a", encoding="utf-8") as f:
         for i in bar:
+            if seconds is not None and time.perf_counter() - t0 >= seconds:
+                break
             chosen = rng.sample(eps, min(bs, len(eps)))
             batch = rt.batch_of(chosen, [0.0] * len(chosen))
             m = rt.trainer.sft_step(batch)
-            f.write(json.dumps({"sft_step": i, **m}) + "\n")
+            done += 1
+            f.write(json.dumps({"sft_step": done - 1, **m}) + "\n")
+            f.flush()  # watchable while the run goes on
             bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
     rt.trainer.set_lr(rt.cfg.trainer.lr)
     rt.refresh_versions()
-    return {**m, "sft/trajectories": float(len(eps))}
+    return {**m, "sft/trajectories": float(len(eps)), "sft/steps": float(done), "sft/seconds": time.perf_counter() - t0}
+
+
+def sft_warm_start(rt: Any, steps: int) -> dict[str, float]:
+    """Supervised warm start on reference trajectories of train tasks (all weighted domains), through
+    the runtime's trainer (`rt`: rl.runtime.Runtime); the engines are not synced here."""
+    return sft_train(rt, steps=steps, label="sft")

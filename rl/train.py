@@ -17,8 +17,9 @@ import torch
 
 from rl.config import AlgorithmSection, RunConfig
 from rl.log import get_logger, progress, setup_logging
-from rl.metrics import RunRecord, progress_text, write_run_record
-from rl.telemetry import time_breakdown
+from rl.observe.record import RunRecord, write_run_record
+from rl.observe.sink import progress_text
+from rl.observe.telemetry import time_breakdown
 from rl.trainer.batch import TrainBatch
 from rl.types import RolloutGroup, StepMetrics
 
@@ -86,8 +87,81 @@ def drain(rt, in_flight: deque, step: int) -> None:
         rt.sync_weights()
 
 
+def rl_steps(rt, cfg: RunConfig) -> float:
+    """The RL loop from `rt.start_step` to `trainer.steps`; returns its wall time in seconds (checkpoint
+    saves included, evaluations not; a resumed run adds the time its checkpoint recorded)."""
+    bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
+    t_run = time.perf_counter()
+    before = rt.rl_seconds  # RL time of the steps a resumed run already did
+    # Submitted updates whose weights the engines do not have yet. Sync mode waits for each at once;
+    # async mode lets up to trainer.max_staleness run behind the rollouts, so every trained episode
+    # was generated at most that many policy versions earlier.
+    in_flight: deque = deque()
+    lag = cfg.trainer.max_staleness if cfg.trainer.async_mode else 0
+    for step in bar:
+        t0 = time.perf_counter()
+        tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
+        groups, roll_m = rt.rollout(tasks, step)                           # roll out G episodes per task (graded in-env)
+        if cfg.algorithm.dynamic_sampling == "oversample":                 # more tasks until enough groups carry signal
+            n = cfg.trainer.tasks_per_step
+            groups, roll_m["rollout/oversampled_tasks"] = oversample(rt, step, groups, n, int(n * cfg.algorithm.oversample_factor))
+        t_roll = time.perf_counter()
+        kept, ds_m = dynamic_sampling(groups, cfg.algorithm.dynamic_sampling)
+        rt.sampler.observe(groups)                                         # adaptive weights from the typed groups
+        train_m: dict[str, float] = {}
+        sync_m: dict[str, float] = {}
+        if kept and cfg.algorithm.kl_in_reward:                            # reward -= kl_coef x KL(pi || pi_ref)
+            kept, kl_m = rt.penalise_kl(kept)
+            ds_m.update(kl_m)
+        if kept:
+            batch = rt.collate(kept)                                       # one padded token batch, step-wide weights
+            values = rt.trainer.values(batch) if rt.has_critic else None    # V(s_t) per generated token (PPO critic)
+            batch, adv_m = with_advantages(batch, cfg.algorithm, values)    # token-level advantages (+ GAE returns)
+            ds_m.update(adv_m)
+            in_flight.append(rt.submit_train(batch, kept))                 # old logprobs (+ routes), the update, the critic
+        while len(in_flight) > lag:                                        # bounded staleness
+            train_m = in_flight.popleft().finish()
+            sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines
+        t_train = time.perf_counter()
+        gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
+        time_m = time_breakdown(groups, step_s=time.perf_counter() - t0, rollout_s=t_roll - t0,
+                                train_busy_s=train_m.get("train/busy_s", 0.0), sync_s=sync_m.get("sync/seconds", 0.0))
+        values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m, **time_m,
+                  "time/train_and_sync_wait_s": t_train - t_roll, "policy/version": float(rt.policy_version)}
+        values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
+        rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
+        bar.set_postfix_str(progress_text(step, cfg.trainer.steps, values, elapsed_s=time.perf_counter() - t_run,
+                                          steps_done=step + 1 - rt.start_step))
+        if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
+            drain(rt, in_flight, step)                                     # a checkpoint holds finished updates
+            rt.rl_seconds = before + time.perf_counter() - t_run
+            rt.checkpoint(step + 1)                                        # save (model, optimizer, sampler, rng)
+    drain(rt, in_flight, cfg.trainer.steps - 1)
+    rt.rl_seconds = before + time.perf_counter() - t_run
+    rt.checkpoint(cfg.trainer.steps)
+    return rt.rl_seconds
+
+
+SFT_SNAPSHOT = "sft_snapshot"  # RUN_DIR/<this>: trainer state as RL starts, for the SFT control arm
+
+
+def sft_control(rt, cfg: RunConfig, rl_seconds: float) -> list:
+    """The third arm: back to the trainer state RL started from, SFT continued for as long as RL ran, then
+    the same held-out evaluation. If it matches RL's gain, the gain was more supervision, not RL."""
+    from rl.evaluate import evaluate
+    from rl.sft import sft_train
+
+    rt.trainer.load_checkpoint(str(rt.run_dir / SFT_SNAPSHOT))
+    rt.refresh_versions()
+    m = sft_train(rt, seconds=rl_seconds, label="sft_control", seed_offset=1)
+    rt.sync_weights()
+    log.info("SFT control: %d supervised steps in %.0f s (RL ran %.0f s)", int(m.get("sft/steps", 0)), m.get("sft/seconds", 0.0), rl_seconds)
+    return evaluate(rt, "sft_control")
+
+
 def run(cfg: RunConfig, runtime=None) -> dict:
     """Train according to `cfg`; returns a summary (before/after eval tables, last metrics)."""
+    from rl.eval_plan import write_family_summary
     from rl.evaluate import evaluate, print_eval_table
     from rl.runtime import Runtime
     from rl.sft import sft_warm_start
@@ -96,7 +170,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
     rt = runtime or Runtime.start(cfg)
     try:
         summary: dict = {}
-        record = RunRecord.of(rt.env_ids, rt.train_tasks)                     # the run's domains and families, typed
+        record = RunRecord.of(rt.env_ids, rt.train_tasks, steps=cfg.trainer.steps)  # the run's domains, families, steps
         write_run_record(rt.run_dir, record)                                   # read by `jointrl report`
         e = cfg.envs
         rt.sampler = rt.sampler.reconfigured(rule=e.sampler_rule, level=e.sampler_level, families=record.family_of(),
@@ -104,56 +178,18 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         if rt.start_step == 0 and cfg.trainer.sft_steps > 0:
             summary["sft"] = sft_warm_start(rt, cfg.trainer.sft_steps)  # supervised warm start on reference trajectories
             rt.sync_weights()
+        if rt.start_step == 0 and cfg.eval.sft_control:
+            rt.trainer.save_checkpoint(str(rt.run_dir / SFT_SNAPSHOT))        # the control arm starts here too
         rt.prepare_reference()                                                 # the KL reference, when one is configured
         summary["before"] = evaluate(rt, "before")
-        bar = progress(range(rt.start_step, cfg.trainer.steps), desc="rl", total=cfg.trainer.steps, initial=rt.start_step)
-        t_run = time.perf_counter()
-        # Submitted updates whose weights the engines do not have yet. Sync mode waits for each at once;
-        # async mode lets up to trainer.max_staleness run behind the rollouts, so every trained episode
-        # was generated at most that many policy versions earlier.
-        in_flight: deque = deque()
-        lag = cfg.trainer.max_staleness if cfg.trainer.async_mode else 0
-        for step in bar:
-            t0 = time.perf_counter()
-            tasks = rt.sampler.sample(cfg.trainer.tasks_per_step)             # sample a joint batch across domains
-            groups, roll_m = rt.rollout(tasks, step)                           # roll out G episodes per task (graded in-env)
-            if cfg.algorithm.dynamic_sampling == "oversample":                 # more tasks until enough groups carry signal
-                n = cfg.trainer.tasks_per_step
-                groups, roll_m["rollout/oversampled_tasks"] = oversample(rt, step, groups, n, int(n * cfg.algorithm.oversample_factor))
-            t_roll = time.perf_counter()
-            kept, ds_m = dynamic_sampling(groups, cfg.algorithm.dynamic_sampling)
-            rt.sampler.observe(groups)                                         # adaptive weights from the typed groups
-            train_m: dict[str, float] = {}
-            sync_m: dict[str, float] = {}
-            if kept and cfg.algorithm.kl_in_reward:                            # reward -= kl_coef x KL(pi || pi_ref)
-                kept, kl_m = rt.penalise_kl(kept)
-                ds_m.update(kl_m)
-            if kept:
-                batch = rt.collate(kept)                                       # one padded token batch, step-wide weights
-                values = rt.trainer.values(batch) if rt.has_critic else None    # V(s_t) per generated token (PPO critic)
-                batch, adv_m = with_advantages(batch, cfg.algorithm, values)    # token-level advantages (+ GAE returns)
-                ds_m.update(adv_m)
-                in_flight.append(rt.submit_train(batch, kept))                 # old logprobs (+ routes), the update, the critic
-            while len(in_flight) > lag:                                        # bounded staleness
-                train_m = in_flight.popleft().finish()
-                sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines
-            t_train = time.perf_counter()
-            gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
-            time_m = time_breakdown(groups, step_s=time.perf_counter() - t0, rollout_s=t_roll - t0,
-                                    train_busy_s=train_m.get("train/busy_s", 0.0), sync_s=sync_m.get("sync/seconds", 0.0))
-            values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m, **time_m,
-                      "time/train_and_sync_wait_s": t_train - t_roll, "policy/version": float(rt.policy_version)}
-            values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
-            rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
-            bar.set_postfix_str(progress_text(step, cfg.trainer.steps, values, elapsed_s=time.perf_counter() - t_run,
-                                              steps_done=step + 1 - rt.start_step))
-            if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
-                drain(rt, in_flight, step)                                     # a checkpoint holds finished updates
-                rt.checkpoint(step + 1)                                        # save (model, optimizer, sampler, rng)
-        drain(rt, in_flight, cfg.trainer.steps - 1)
-        rt.checkpoint(cfg.trainer.steps)
+        rl_seconds = rl_steps(rt, cfg)                                         # sample -> roll out -> ... -> sync -> log
+        summary["rl_seconds"] = rl_seconds
         summary["after"] = evaluate(rt, "after")
-        print_eval_table(rt.run_dir, summary["before"], summary["after"])
+        if cfg.eval.sft_control:
+            summary["sft_control"] = sft_control(rt, cfg, rl_seconds)
+        print_eval_table(rt.run_dir, summary["before"], summary["after"], rt.env_ids, control=summary.get("sft_control"),
+                         rl_seconds=rl_seconds)
+        write_family_summary(rt.run_dir, record.family_of(), cfg.envs.weights, summary["before"], summary["after"])
         return summary
     finally:
         if runtime is None:

@@ -14,6 +14,16 @@ from jointrl.records import Message
 
 
 @dataclass(frozen=True)
+class TokenImage:
+    """An image (encoded bytes, PNG / JPEG) feeding tokens [start, start + length) of a token sequence: one
+    `<|image|>` placeholder per patch (model/vision.py)."""
+
+    data: bytes
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class Episode:
     """One finished multi-turn episode, token-in / token-out.
 
@@ -21,6 +31,7 @@ class Episode:
     loss_mask: 1 exactly on tokens the policy generated; 0 on prompt, template and tool-output tokens.
     rollout_logprobs: the engine's logprob of each token where loss_mask == 1, else 0.0.
     routed_experts: optional [len(token_ids), n_moe_layers, top_k] expert ids reported by the engine (R3).
+    images: the images the policy saw, in order, each with the placeholder span it feeds (loss mask 0 there).
     """
 
     task_id: str
@@ -39,6 +50,7 @@ class Episode:
     grade_error: str | None = None
     routed_experts: object | None = None  # numpy int array [T, L, k] or None
     wall_s: float = 0.0
+    images: tuple[TokenImage, ...] = ()
 
 
 @dataclass(frozen=True)

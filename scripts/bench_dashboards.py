@@ -21,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "dashboards"))
+sys.path.insert(0, str(ROOT / "tests" / "rl" / "observe"))
 
 
 def timeit(fn, reps: int) -> float:
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from rl.moe_telemetry import moe_batch_stats, moe_metrics
+    from rl.observe.moe import moe_batch_stats, moe_metrics
 
     rows = []
     # 1. MoE telemetry
@@ -78,7 +78,7 @@ def main() -> None:
     import model  # noqa: F401
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
-    from rl.moe_telemetry import fresh_routes, moe_batch_stats as mbs, token_domain_ids
+    from rl.observe.moe import fresh_routes, moe_batch_stats as mbs, token_domain_ids
 
     cfg = load_shipped_config("tiny")
     m = HybridMoeForCausalLM(cfg).eval()
@@ -99,7 +99,7 @@ def main() -> None:
 
     # 2. rollout metrics
     from dash_synth import make_groups
-    from rl.telemetry import rollout_metrics
+    from rl.observe.telemetry import rollout_metrics
 
     rng = np.random.default_rng(0)
     groups = make_groups(rng, 3, tasks_per_domain=8, G=8)
@@ -109,7 +109,7 @@ def main() -> None:
 
     # 3. report on a long run
     from dash_synth import build_run
-    from rl import report
+    from rl.observe import report
 
     steps = 60 if args.quick else 300
     with tempfile.TemporaryDirectory() as td:

@@ -3,8 +3,8 @@
 1. Driver overhead per step at 4, 100 and 500 domains with the same batch (64 tasks x 4 samples, 256
    episodes): sampler (sample + adaptive observe, learnability and DUMP), per-domain zero-variance
    accounting (rl.train.dynamic_sampling), per-domain loss normalisation (rl.algos aggregation
-   `domain_token_mean` weights), telemetry (rl.telemetry.rollout_metrics and the expert x domain matrix,
-   rl.moe_telemetry), and logging (MetricsSink to JSONL), in ms, median of reps. The ratio that matters
+   `domain_token_mean` weights), telemetry (rl.observe.telemetry.rollout_metrics and the expert x domain matrix,
+   rl.observe.moe), and logging (MetricsSink to JSONL), in ms, median of reps. The ratio that matters
    is step time at 500 domains over step time at 4: a step = the measured tiny-model step time
    (README: 5.38 s, `scripts/bench_train.py --breakdown`, passed as --step-s) + this overhead.
 2. `jointrl report` at 500 synthetic domains: load + render time and file size.
@@ -29,10 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rl.algos.aggregation import aggregation_weights  # noqa: E402
-from rl.metrics import DomainInfo, MetricsSink, RunRecord, write_run_record  # noqa: E402
-from rl.moe_telemetry import moe_telemetry, token_domain_ids  # noqa: E402
+from rl.observe.moe import moe_telemetry, token_domain_ids  # noqa: E402
+from rl.observe.record import DomainInfo, RunRecord, write_run_record  # noqa: E402
+from rl.observe.sink import MetricsSink  # noqa: E402
 from rl.sampler import DomainSampler  # noqa: E402
-from rl.telemetry import rollout_metrics  # noqa: E402
+from rl.observe.telemetry import rollout_metrics  # noqa: E402
 from rl.train import dynamic_sampling  # noqa: E402
 from rl.types import Episode, RolloutGroup, StepMetrics  # noqa: E402
 
@@ -148,7 +149,7 @@ def main() -> int:
     args = ap.parse_args()
     reps = 5 if args.quick else 15
     torch.set_num_threads(1)  # the driver's own work; several threads only fight the other jobs on 2 cores
-    from rl import report
+    from rl.observe import report
 
     with tempfile.TemporaryDirectory() as tmp:
         print(f"driver overhead per step, {TASKS} tasks x {G} samples (median of {reps}, ms; 1 torch thread):")

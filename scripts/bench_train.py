@@ -11,7 +11,7 @@
    saves. Goals (shm, fp32): >= 0.8x memcpy on `small`, >= 0.5x on `tiny`. `--sync-only` runs just this.
 3. (--breakdown) Step-time breakdown of the real driver loop, sync vs async mode, on a tiny
    Qwen3-MoE over the terminal domain: rollout (generation / tools / grading), training, weight
-   sync, trainer idle, rollout idle (rl.telemetry.time_breakdown). Starts vLLM + DeepSpeed twice.
+   sync, trainer idle, rollout idle (rl.observe.telemetry.time_breakdown). Starts vLLM + DeepSpeed twice.
 4. (--cross-node, alone) Weight sync to a reader on another node (Ray's object store between two
    raylets of a `ray.cluster_utils.Cluster` on this machine) vs a reader on the trainer's node
    (/dev/shm), both as `transport="auto"` chooses them in a run.
@@ -398,7 +398,7 @@ def print_cross_node(s: dict, model: str) -> None:
 
 def bench_breakdown(steps: int) -> dict:
     from rl.config import load_config
-    from rl.metrics import read_metrics
+    from rl.observe.sink import read_metrics
     from tests.helpers.checkpoints import build_test_checkpoint
     from rl.train import run
 

@@ -8,7 +8,7 @@
 #      weight-transfer engine and a 2-step RL run on the `small` HybridMoe, trainer and rollout sharing
 #      the GPU; with two or more also the NCCL sync + logprob gap, a TP=2 engine, and the 2-step run
 #      with trainer and rollout on separate GPUs over NCCL. The 2-step run is `jointrl train
-#      configs/quickstart.yaml model.arch=small trainer.steps=2 ...` (the test's exact command).
+#      configs/tiny.yaml model.arch=small trainer.steps=2 ...` (the test's exact command).
 #   3. prints the figures (step-time breakdown, sync seconds and bytes, engine-vs-trainer gap) and
 #      exits non-zero if anything failed.
 # Outputs: runs/gpu-smoke/ (or $JOINTRL_GPU_SMOKE_DIR): pytest.log, figures.jsonl, rl_run/ (metrics.jsonl ...).

@@ -56,5 +56,16 @@ for m in ["rl", "envs", "rewards", "model", "vllm", "deepspeed", "ray", "dataset
 from transformers import Qwen3MoeForCausalLM, MixtralForCausalLM  # noqa: F401  (fails if a broken CUDA torchvision is present)
 print("setup: imports ok", file=sys.stderr)
 PY
+# verifiers environments (envs/verifiers_adapter) get a venv of their own, from pyproject's `verifiers`
+# extra: their pins (datasets<4.7, huggingface_hub 1.x) do not fit this venv, and the adapter only ever
+# runs that venv's Python as a separate process.
+CACHE="${JOINTRL_CACHE:-.cache}"; case "$CACHE" in /*) ;; *) CACHE="$ROOT/$CACHE" ;; esac
+VF_VENV="$CACHE/verifiers-venv"
+VF_PINS=$("$PY" -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["verifiers"]))')
+echo "setup: installing $VF_PINS into $VF_VENV" >&2
+[ -x "$VF_VENV/bin/python" ] || "$PY" -m venv "$VF_VENV"
+# shellcheck disable=SC2086  # the pins are separate words
+"$VF_VENV/bin/python" -m pip install -q $VF_PINS
+"$VF_VENV/bin/python" -c "import verifiers, stardata.envs.constraint_gym" && echo "setup: verifiers venv ok" >&2
 rm -f "$STAMP_DIR"/.jointrl-setup-*
 touch "$STAMP"

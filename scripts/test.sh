@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}; PY=${PY:-.venv/bin/python}
 export JOINTRL_PROGRESS=${JOINTRL_PROGRESS:-0}
-exec "$PY" -m pytest "$@"
+exec "$PY" -m pytest --durations=30 "$@"

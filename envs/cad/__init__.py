@@ -3,7 +3,8 @@
 Layout: `families.py` (9 parametric part families: specs and reference code), `tasks.py` (splits,
 prompts, pictures), `domain.py` (the tools and the grader), `worker.py` (warm trusted cadquery
 processes), `render.py` (numpy view renderer + PNG writer), `kernel/` (geometry and the
-in-sandbox runner; mounted read-only into the agent's sandbox). See docs/cad.md.
+in-sandbox runner; mounted read-only into the agent's sandbox), `primitive.py` (cad-primitive-v0,
+the curriculum's first rung: single primitives, same sandbox and grader). See docs/cad.md.
 """
 from __future__ import annotations
 
@@ -29,5 +30,11 @@ def register() -> None:
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    reg(ENV_ID, make_env, make_tasks, source_files=sorted(here.glob("*.py")) + sorted(here.glob("kernel/*.py")),
+    sources = sorted(here.glob("*.py")) + sorted(here.glob("kernel/*.py"))
+    reg(ENV_ID, make_env, make_tasks, source_files=sources,
         description="CadQuery part modelling (9 parametric families) graded by exact-solid IoU x hole/face/bbox checks")
+    from envs.cad import primitive
+
+    reg(primitive.ENV_ID, primitive.make_env, primitive.make_tasks, source_files=sources,
+        description="one box, cylinder or box with a through-hole, dimensions given, one submit; same sandbox and "
+                    "grader: the first rung of the CAD curriculum")

@@ -6,8 +6,11 @@ interpreter if that lives outside /usr, and envs/cad/kernel/). Both tools run th
 there with `kernel/runner.py`, which reports on the agent's *own* solid only:
 
 * `run_cad(code)`  -> the error, or volume / bounding box / faces / through-holes of `result`;
-* `submit(code)`   -> the same run, which also writes the solid as BREP to a file name the host
-  chose for this call; ends the episode.
+  the solid is also written as BREP (a file name the host chose for this call): the agent's current solid;
+* `render_view(view)` -> a PNG (`VIEW_PX` square) of one view (top / front / right / iso) of the current
+  solid, rendered by the trusted worker from that file (scanned first, like a submission), so the policy
+  can compare its part with the target's views;
+* `submit(code)`   -> the same run as run_cad, then ends the episode.
 
 Grading (`check`, after `kill_all`): the submitted BREP is read back with `read_artifact` (as data:
 no symlinks, size cap) and compared, in a trusted warm worker (envs/cad/worker.py), with the
@@ -34,20 +37,21 @@ import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Collection, Mapping
 
 from envs.base import Domain, EnvSetupError, ToolInvocation, ToolOutput
 from envs.cad.families import FAMILIES
 from envs.cad.kernel.brep import BrepLimits
 from envs.cad.kernel.runner import REPORT_MARKER
 from envs.sandbox.base import ExecResult, Mount, Sandbox, SandboxBackend, SandboxLimits
-from envs.tools import ToolContext, tool
+from envs.tools import ToolArgError, ToolContext, tool
 from jointrl.records import Message, Task
 from rewards import Rubric, Term, check, malformed_fraction
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernel"
 INSIDE_ROOT = "/opt/jointrl-cad"
 MAX_BREP_BYTES = BrepLimits().max_bytes
+VIEW_PX = 128  # render_view's square side: a multiple of the policy's patch size (16 -> 64 patches)
 # Waiting for a worker + grading; the work alone has the pool's shorter work timeout (worker.py).
 GRADE_TIMEOUT_S = 90.0
 KILL_MARGIN_S = 1.0
@@ -153,14 +157,18 @@ class CadDomain(Domain):
                     truncated_reward=0.0, error_reward=0.0)
 
     def __init__(self, backend: SandboxBackend | None = None, sandbox_limits: SandboxLimits = CAD_SANDBOX_LIMITS,
-                 python: SandboxPython | None = None, pool=None, grade_timeout_s: float = GRADE_TIMEOUT_S) -> None:
+                 python: SandboxPython | None = None, pool=None, grade_timeout_s: float = GRADE_TIMEOUT_S,
+                 families: Collection[str] = tuple(FAMILIES)) -> None:
         self.backend = backend if backend is not None else default_backend()
         self.sandbox_limits = sandbox_limits
         self.python = python if python is not None else SandboxPython.from_current()
         self._pool = pool
         self.grade_timeout_s = grade_timeout_s
+        # The task families this domain sets up (a curriculum rung passes its own; envs/cad/primitive.py).
+        self.families = frozenset(families)
         self.sandbox: Sandbox | None = None
         self.submission: RunOutcome | None = None
+        self.current: RunOutcome | None = None  # the last run that built a valid solid (what render_view draws)
 
     @property
     def pool(self):
@@ -172,12 +180,12 @@ class CadDomain(Domain):
 
     def setup(self, task: Task) -> None:
         family = task.private.get("family")
-        if family not in FAMILIES:
+        if family not in self.families:
             raise EnvSetupError(f"task {task.id}: unknown CAD family {family!r}")
         if not isinstance(task.private.get("reference_code"), str):
             raise EnvSetupError(f"task {task.id}: private['reference_code'] is missing")
         self.teardown()
-        self.submission = None
+        self.submission = self.current = None
         self.sandbox = self.backend.open(limits=self.sandbox_limits, mounts=self.python.mounts)
 
     def _run(self, code: str, timeout_s: float, export: bool) -> RunOutcome:
@@ -203,8 +211,33 @@ class CadDomain(Domain):
         Args:
             code: Python code using cadquery (available as `cq`) that assigns the part to `result`
         """
-        out = self._run(code, ctx.timeout_s, export=False)
+        out = self._run(code, ctx.timeout_s, export=True)
+        if out.ok:
+            self.current = out
         return ToolOutput(out.text, timed_out=out.timed_out)
+
+    @tool
+    def render_view(self, view: str, ctx: ToolContext) -> ToolOutput:
+        """Render one view of your current solid (the last one run_cad built) as an image, to compare with the target.
+
+        Args:
+            view: which view: "top" (looking down -Z), "front" (from -Y), "right" (from +X) or "iso" (from (+1, -1, +1))
+        """
+        from envs.cad.render import VIEW_NAMES
+
+        if view not in VIEW_NAMES:
+            raise ToolArgError(f"view must be one of {', '.join(VIEW_NAMES)}; got {view!r}")
+        cur = self.current
+        if cur is None or cur.out_rel is None or self.sandbox is None:
+            return ToolOutput("ERROR: no solid yet: build one with run_cad first.")
+        try:
+            data = self.sandbox.read_artifact(cur.out_rel, max_bytes=MAX_BREP_BYTES)
+            png = self.pool.render_submission(data, view, VIEW_PX, timeout_s=max(1.0, ctx.timeout_s - KILL_MARGIN_S))
+        except ValueError as e:
+            return ToolOutput(f"ERROR: the current solid cannot be drawn: {e}")
+        except OSError:
+            return ToolOutput("ERROR: the current solid's file is gone or unreadable; run run_cad again.")
+        return ToolOutput(f"The {view} view of your current solid ({VIEW_PX}x{VIEW_PX} pixels).", images=(png,))
 
     @tool(ends_episode=True)
     def submit(self, code: str, ctx: ToolContext) -> ToolOutput:

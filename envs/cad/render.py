@@ -15,6 +15,9 @@ them; the isometric view is fitted on its own. Faces are shaded by the angle to 
 camera, B-rep edges are drawn where visible (depth-tested), and silhouettes and depth jumps are
 outlined. Short red / green / blue lines from the world origin mark +X / +Y / +Z (drawn on top).
 
+`render_view` draws one of the four views alone, `size` x `size` pixels, fitted to the part (the agent's
+`render_view` tool: a square of a size the policy's patch size divides).
+
 What it does not do: hidden-line dashes, text labels or dimensions (the text spec carries those).
 """
 from __future__ import annotations
@@ -218,6 +221,29 @@ def _panel(verts_N3, tris_M3, lines, view: View, size: int, scale: float, center
         pts, _ = _sample_segments(puv, np.zeros(2))
         _draw_points(img, pts, AXIS_RGB[k])
     return img
+
+
+VIEW_NAMES = tuple(v.name for v in VIEWS)
+
+
+def render_view(verts_N3: np.ndarray, tris_M3: np.ndarray, lines: list[np.ndarray], view: str, size: int = 128,
+                margin: float = 0.08) -> Picture:
+    """One view (`VIEW_NAMES`) of the part, fitted to a `size` x `size` PNG (`px_per_mm` is this view's scale)."""
+    by_name = {v.name: v for v in VIEWS}
+    if view not in by_name:
+        raise ValueError(f"unknown view {view!r}; views: {', '.join(VIEW_NAMES)}")
+    verts_N3 = np.asarray(verts_N3, dtype=np.float64)
+    tris_M3 = np.asarray(tris_M3, dtype=np.int64)
+    if verts_N3.ndim != 2 or verts_N3.shape[1] != 3 or len(verts_N3) == 0:
+        raise ValueError(f"render_view needs vertices of shape (N, 3), got {verts_N3.shape}")
+    v = by_name[view]
+    lo, hi = verts_N3.min(axis=0), verts_N3.max(axis=0)
+    center = (lo + hi) / 2
+    corners = np.array([[x, y, z] for x in (lo[0], hi[0]) for y in (lo[1], hi[1]) for z in (lo[2], hi[2])]) - center
+    span = max(np.ptp(corners @ np.array(v.right)), np.ptp(corners @ np.array(v.up)), 1e-9)
+    scale = size * (1 - 2 * margin) / span
+    img = _panel(verts_N3, tris_M3, lines, v, size, scale, center)
+    return Picture(png=encode_png(img), width=size, height=size, px_per_mm=float(scale))
 
 
 def render_views(verts_N3: np.ndarray, tris_M3: np.ndarray, lines: list[np.ndarray], panel: int = 160,

@@ -163,6 +163,16 @@ class _Handlers:
         return {"png_b64": base64.b64encode(pic.png).decode(), "px_per_mm": pic.px_per_mm,
                 "volume": summary.volume, "bbox": list(summary.bbox), "faces": summary.faces, "holes": summary.holes}
 
+    def render_brep(self, req: dict) -> dict:
+        """One view of the agent's solid (a BREP the host has scanned), for the `render_view` tool."""
+        try:
+            shape = self.g.load_submission(base64.b64decode(req["brep_b64"]))
+        except self.g.NoSolidError as e:
+            return {"valid": False, "reason": str(e)}
+        verts, tris, lines = self.g.mesh(shape)
+        pic = self.render_mod.render_view(verts, tris, lines, req["view"], size=int(req["size"]))
+        return {"valid": True, "png_b64": base64.b64encode(pic.png).decode()}
+
     def ping(self, req: dict) -> dict:
         return {"pid": os.getpid()}
 
@@ -178,7 +188,7 @@ def worker_main() -> int:
         resource.setrlimit(resource.RLIMIT_AS, (limit_mb << 20, limit_mb << 20))
     h = _Handlers()
     _write_msg(out_fd, {"ready": True, "pid": os.getpid()})
-    ops = {"grade": h.grade, "render": h.render, "ping": h.ping}
+    ops = {"grade": h.grade, "render": h.render, "render_brep": h.render_brep, "ping": h.ping}
     while True:
         try:
             req = _read_msg(in_fd)
@@ -381,6 +391,19 @@ class CadWorkerPool:
         return RenderResult(png=base64.b64decode(r["png_b64"]), px_per_mm=float(r["px_per_mm"]),
                             volume=float(r["volume"]), bbox=tuple(r["bbox"]), faces=int(r["faces"]),
                             holes=int(r["holes"]))
+
+    def render_submission(self, brep_data: bytes, view: str, size: int, timeout_s: float = 60.0) -> bytes:
+        """PNG of one view of the agent's BREP (scanned here first, like `grade`); ValueError naming why there is
+        no picture (a rejected file, no solid); CadWorkerError when the worker could not finish."""
+        try:
+            brep.scan(brep_data)
+        except brep.BrepRejected as e:
+            raise ValueError(str(e)) from None
+        r = self.call({"op": "render_brep", "brep_b64": base64.b64encode(brep_data).decode(), "view": view, "size": size},
+                      timeout_s, work_timeout_s=self.work_timeout_s)
+        if not r.get("valid"):
+            raise ValueError(str(r.get("reason", "no solid")))
+        return base64.b64decode(r["png_b64"])
 
     def pids(self) -> list[int]:
         with self._cond:

@@ -82,7 +82,10 @@ class BwrapConfig:
     prlimit: str = "/usr/bin/prlimit"  # util-linux; applies the rlimits before bwrap starts
     state_dir: Path = Path("/run/jointrl-sandbox")  # slot locks and per-slot tmpfs mount points
     first_uid: int = 61000  # slot uids are first_uid .. first_uid + n_slots - 1 (skipping passwd users)
-    n_slots: int = 64
+    # One uid per live sandbox. A terminal episode holds two while it is graded (its own and the
+    # grader's pristine one), and a run keeps up to rollout.max_concurrent_episodes episodes live, so
+    # the pool is sized well above twice that; unused uids cost nothing (a lock file when first leased).
+    n_slots: int = 256
     python: str = "/usr/bin/python3"  # runs the in-sandbox executor; must be under the read-only /usr
     memory_mb: int | None = None  # cgroup memory per sandbox; None: address space + work + tmp + shm + 64
     shm_mb: int = 16

@@ -142,12 +142,20 @@ class SlotAllocator:
             return None
         return Slot(uid=uid, lock_fd=fd)
 
-    def acquire(self) -> Slot:
-        for uid in self.uids:
-            slot = self.try_acquire(uid)
-            if slot is not None:
-                return slot
-        raise RuntimeError(f"all {len(self.uids)} sandbox slots are in use; close sandboxes or raise n_slots")
+    def acquire(self, wait_s: float = 30.0) -> Slot:
+        """A free slot, waiting up to `wait_s` for one. Slots are a scheduled resource: when many
+        episodes end at once, their graders' pristine sandboxes briefly hold a second slot each, and a
+        new episode should wait for those to close rather than fail."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for uid in self.uids:
+                slot = self.try_acquire(uid)
+                if slot is not None:
+                    return slot
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"all {len(self.uids)} sandbox slots stayed in use for {wait_s:g} s; "
+                                   "close sandboxes or raise n_slots")
+            time.sleep(0.02)
 
     @staticmethod
     def release(slot: Slot) -> None:

@@ -1,4 +1,5 @@
-"""swe-v0: fix procedurally injected bugs in real Python libraries, graded by hidden tests (docs/swe.md)."""
+"""swe-v0: fix procedurally injected bugs in real Python libraries, graded by hidden tests (docs/swe.md);
+swe-onefunc-v0, its first curriculum rung (onefunc.py)."""
 from __future__ import annotations
 
 from envs.base import ToolEnv
@@ -21,6 +22,7 @@ def register() -> None:
     from pathlib import Path
 
     from envs.registry import register as reg
+    from envs.swe import onefunc
     from envs.swe.build import sets_marker
     from envs.swe.tasks import ENV_ID, make_tasks
 
@@ -28,3 +30,6 @@ def register() -> None:
     sources = sorted(Path(__file__).parent.glob("*.py")) + [sets_marker()]
     reg(ENV_ID, make_env, make_tasks, source_files=sources,
         description="fix injected bugs in toolz / cachetools / tabulate / more-itertools; graded by hidden tests")
+    reg(onefunc.ENV_ID, onefunc.make_env, onefunc.make_tasks, source_files=sources,
+        description="one-line bugs in one named function of the same four libraries, a failing test shown; "
+                    "swe-v0's sandbox, tools and grader: the first rung of the swe curriculum")

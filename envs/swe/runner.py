@@ -550,6 +550,28 @@ def driver_argv(lib: Library, *, python: str, runtime: str, repo: str, out: str 
     return argv + ["--"] + sels
 
 
+# Address-space cap of every build-time suite run (judge, worker and the tests they run). A mutation can
+# turn a loop into one that allocates without end; within its CPU-time allowance such a run reached 9 GB
+# here and took the machine's memory from everything else. With the cap it fails with MemoryError instead,
+# which disqualifies the mutation. The pristine suites of the pinned libraries run well inside it.
+BUILD_ADDRESS_SPACE_BYTES = 4 << 30
+# CPU-time backstop of the same runs: the caller's wall-clock timeout kills the driver, but a suite whose
+# caller was itself killed (an interrupted build) would otherwise spin on forever as an orphan (seen: a
+# mutant's endless loop still running 22 minutes after its build was stopped).
+BUILD_CPU_SECONDS = 600
+_PR_SET_PDEATHSIG = 1
+
+
+def _cap_build_child() -> None:
+    import ctypes
+    import signal
+
+    resource.setrlimit(resource.RLIMIT_AS, (BUILD_ADDRESS_SPACE_BYTES, BUILD_ADDRESS_SPACE_BYTES))
+    resource.setrlimit(resource.RLIMIT_CPU, (BUILD_CPU_SECONDS, BUILD_CPU_SECONDS))
+    # die with the build process that started us (Linux prctl; the judge's own children are killed by the judge)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
 def run_suite_local(lib: Library, tree: Path, runtime: Path, python: Path, *, timeout_s: float = 120.0,
                     selectors: Sequence[str] = ()) -> SuiteResult:
     """Build-time run in a plain subprocess (our own trusted mutations, no agent code): the same
@@ -565,7 +587,7 @@ def run_suite_local(lib: Library, tree: Path, runtime: Path, python: Path, *, ti
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
             p = subprocess.run(argv, cwd=tree, env=TEST_ENV, input=key_line(key), capture_output=True,
-                               timeout=timeout_s)
+                               timeout=timeout_s, preexec_fn=_cap_build_child)
         except subprocess.TimeoutExpired as e:
             tail = (e.stdout or b"")[-2000:].decode("utf-8", "replace")
             return SuiteResult(ok=False, timed_out=True, duration_s=time.monotonic() - t0, output_tail=tail)

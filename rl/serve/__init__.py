@@ -2,8 +2,9 @@
 
 Modules, by concern:
 - `settings`: `ServeSettings` and the CLI flags generated from it (light; the top-level CLI imports it).
-- `core`: the internal request/reply model both protocols translate to and from, errors, the
-  chat-codec seam (prompt rendering and completion parsing), token reuse across turns.
+- `core`: the internal request/reply model both protocols translate to and from, errors, token reuse across turns.
+- `codec`: the checkpoint's chat format (rl/rollout/codec, picked as training picks it) seen from serving:
+  prompts, parsing, the stream split, tool-call forcing, defusing client text.
 - `engine`: `StreamingEngine`, the rollout engine plus incremental outputs and abort.
 - `service`: `ChatService` (streamed generation, tool_choice forcing, recording), admission, metrics.
 - `records`: the token-level JSONL records and the readers that rebuild RL sequences from them.
@@ -20,8 +21,8 @@ from typing import Any
 _WHERE = {
     "ServeSettings": "settings", "ServeError": "settings", "TIERS": "settings", "add_arguments": "settings", "from_args": "settings",
     "ApiError": "core", "ChatRequest": "core", "ToolChoice": "core", "Completion": "core", "Choice": "core", "TokenHistory": "core",
-    "PromptTokens": "core", "encode_prompt": "core", "finish_choice": "core", "token_text_ends": "core", "ChatCodec": "core",
-    "ProjectChatCodec": "core", "StreamFields": "core",
+    "PromptTokens": "core", "encode_prompt": "core", "finish_choice": "core", "token_text_ends": "core",
+    "ServeCodec": "codec", "StreamFields": "codec", "build_codec": "codec",
     "ServeRecord": "records", "RecordedChoice": "records", "Recorder": "records", "read_records": "records",
     "recorded_sequence": "records", "RecordedSequence": "records",
     "StreamingEngine": "engine", "StreamDelta": "engine",

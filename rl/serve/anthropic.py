@@ -2,7 +2,8 @@
 
 What it does
 - `parse_messages_request`: `system`, `messages` with content blocks (`text`, `thinking`,
-  `tool_use`, `tool_result`; `image` is refused with a 400 naming why), `tools`, `tool_choice`,
+  `tool_use`, `tool_result`, and base64 `image` blocks in user turns and tool results, for a checkpoint with a
+  vision tower: otherwise a 400 `image_input_unsupported`; a bad image is a 400 `invalid_image`), `tools`, `tool_choice`,
   `thinking`, `stop_sequences`, sampling -> `ChatRequest`. Thinking blocks sent back in history
   become the assistant message's reasoning, so the prompt is the chat format's exact history.
 - Thinking tiers: `thinking: {"type": "enabled", "budget_tokens": N}` maps to the nearest tier in
@@ -27,8 +28,9 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from jointrl.records import Message, ToolCall
-from rl.serve.core import (DEFAULT_CODEC, IMAGES_REFUSED, TIERS, ApiError, ChatCodec, ChatRequest, Choice, ServeSettings, ToolChoice,
-                           bad, check_limits, check_model, is_int, parse_budget_value, sampling_numbers,
+from rl.serve.codec import ServeCodec
+from rl.serve.core import (IMAGES_REFUSED, TIERS, ApiError, ChatRequest, Choice, ServeSettings, ToolChoice,
+                           bad, base64_image, check_limits, check_model, is_int, parse_budget_value, request_image, sampling_numbers,
                            thinking_signature)
 from rl.serve.service import Finished, Prepared, TextDelta
 
@@ -75,9 +77,18 @@ def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
     for j, b in enumerate(content):
         if not isinstance(b, Mapping) or not isinstance(b.get("type"), str):
             raise bad(f"{where}.content[{j}] must be an object with a 'type'", f"{where}.content")
-        if b["type"] == "image":
-            raise ApiError(400, f"{where}.content[{j}]: {IMAGES_REFUSED}", param=f"{where}.content", code="image_input_unsupported")
     return content
+
+
+def _image(b: Mapping[str, Any], where: str, codec: ServeCodec, param: str) -> bytes:
+    """A base64 `image` block -> checked image bytes (URL sources are refused: the server fetches nothing)."""
+    if codec.vision is None or codec.max_images == 0:
+        raise ApiError(400, f"{where}: {IMAGES_REFUSED}", param=param, code="image_input_unsupported")
+    src = b.get("source")
+    if not isinstance(src, Mapping) or src.get("type") != "base64":
+        raise bad(f"{where}.source must be {{'type': 'base64', 'media_type': 'image/png', 'data': ...}} (URL sources are not "
+                  "accepted)", param, "image_url_unsupported")
+    return request_image(base64_image(src.get("data"), f"{where}.source.data", param), codec, where, param)
 
 
 def _text(b: Mapping[str, Any], where: str) -> str:
@@ -86,41 +97,50 @@ def _text(b: Mapping[str, Any], where: str) -> str:
     return b["text"]
 
 
-def _tool_result_text(b: Mapping[str, Any], where: str) -> str:
+def _tool_result(b: Mapping[str, Any], where: str, codec: ServeCodec) -> tuple[str, tuple[bytes, ...]]:
     content = b.get("content", "")
     if content is None:
         content = ""
     parts = [content] if isinstance(content, str) else None
+    images: list[bytes] = []
     if parts is None:
         parts = []
         for j, c in enumerate(_blocks(content, where)):
+            if c["type"] == "image":
+                images.append(_image(c, f"{where}.content[{j}]", codec, f"{where}.content"))
+                continue
             if c["type"] != "text":
-                raise bad(f"{where}.content[{j}]: tool_result blocks of type {c['type']!r} are not supported (text only)", f"{where}.content")
+                raise bad(f"{where}.content[{j}]: tool_result blocks of type {c['type']!r} are not supported (text, image)", f"{where}.content")
             parts.append(_text(c, f"{where}.content[{j}]"))
     text = "".join(parts)
-    return f"error: {text}" if b.get("is_error") is True else text
+    return (f"error: {text}" if b.get("is_error") is True else text), tuple(images)
 
 
-def _user_messages(blocks: Sequence[Mapping[str, Any]], where: str, codec: ChatCodec) -> list[Message]:
+def _user_messages(blocks: Sequence[Mapping[str, Any]], where: str, codec: ServeCodec) -> list[Message]:
     out: list[Message] = []
     texts: list[str] = []
+    images: list[bytes] = []  # shown before the text of the user message they arrive in (model/chat.py)
 
     def flush() -> None:
-        if texts:
-            out.append(Message(role="user", content=codec.defuse("".join(texts))))
+        if texts or images:
+            out.append(Message(role="user", content=codec.defuse("".join(texts)), images=tuple(images)))
             texts.clear()
+            images.clear()
 
     for j, b in enumerate(blocks):
         w = f"{where}.content[{j}]"
         if b["type"] == "text":
             texts.append(_text(b, w))
+        elif b["type"] == "image":
+            images.append(_image(b, w, codec, f"{where}.content"))
         elif b["type"] == "tool_result":
             flush()
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad(f"{w}.tool_use_id must be a string", f"{w}.tool_use_id")
-            out.append(Message(role="tool", content=codec.defuse(_tool_result_text(b, w)), tool_call_id=b["tool_use_id"]))
+            text, pics = _tool_result(b, w, codec)
+            out.append(Message(role="tool", content=codec.defuse(text), tool_call_id=b["tool_use_id"], images=pics))
         else:
-            raise bad(f"{w}: user content blocks of type {b['type']!r} are not supported (text, tool_result)", f"{where}.content")
+            raise bad(f"{w}: user content blocks of type {b['type']!r} are not supported (text, image, tool_result)", f"{where}.content")
     flush()
     return out
 
@@ -177,9 +197,11 @@ def _tools(raw: Any) -> tuple[Mapping[str, Any], ...] | None:
             raise bad(f"tools[{j}].name must be a non-empty string", f"tools[{j}].name")
         if not isinstance(schema, Mapping):
             raise bad(f"tools[{j}].input_schema must be a JSON schema object", f"tools[{j}].input_schema")
-        fn: dict[str, Any] = {"name": name, "parameters": dict(schema)}
+        # OpenAI's key order (name, description, parameters): a template renders the same tool the same way from either route.
+        fn: dict[str, Any] = {"name": name}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        fn["parameters"] = dict(schema)
         out.append({"type": "function", "function": fn})
     names = [t["function"]["name"] for t in out]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -231,7 +253,7 @@ def _thinking(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | N
         tier = nearest_tier(n, settings)
         got = (tier, settings.tier_budget(tier))
     elif kind == "disabled":
-        got = (None, 0)  # the chat format always opens <think>: a zero budget closes it at once
+        got = (None, 0)  # a zero budget closes thinking at once (a format without a thinking block has none: no cap)
     else:
         got = (settings.default_tier, settings.tier_budget(settings.default_tier))
     if from_ext is not None and from_ext[1] != got[1]:
@@ -239,7 +261,7 @@ def _thinking(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | N
     return from_ext or got
 
 
-def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequence[str], codec: ChatCodec = DEFAULT_CODEC,
+def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequence[str], codec: ServeCodec,
                            args: ArgumentTexts | None = None, count_only: bool = False) -> ChatRequest:
     """Validate a decoded `/v1/messages` (or `count_tokens`) body; every problem is an ApiError naming the field."""
     if not isinstance(body, Mapping):

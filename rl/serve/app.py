@@ -11,7 +11,8 @@ What it does
   a full admission queue gets 429 with `Retry-After`.
 - A client that disconnects (streamed or not) cancels its request: the engine request is aborted
   at once (`rl.serve.service.ChatService.run`).
-- `prepare_model` / `build_service` / `main`: resolve the model argument, build the engine, serve.
+- `prepare_model` / `build_service` / `main`: resolve the model argument, pick the chat codec the way
+  training does (rl/serve/codec.py), build the engine, serve.
 
 What it does not do
 - No TLS (put a proxy in front), no per-key quotas.
@@ -31,6 +32,7 @@ from starlette.requests import Request  # module level: FastAPI resolves the han
 from rl.log import get_logger
 from rl.serve import anthropic as anth
 from rl.serve import openai as oai
+from rl.serve.codec import ServeCodec, build_codec
 from rl.serve.core import ApiError, bad
 from rl.serve.records import Recorder
 from rl.serve.service import ChatService, Prepared
@@ -323,37 +325,37 @@ def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if has_delta else "float32"  # vLLM's CPU delta-rule kernel requires bf16 (docs/platform.md)
-    missing = [f for f in ("tokenizer.json", "tokenizer_config.json") if not (path / f).is_file()]
-    if missing:
-        raise ServeError(f"{path}: no {missing}; the server needs the project tokenizer next to the weights (copy model/tokenizer/*)")
     return PreparedModel(path=path, served_names=tuple(dict.fromkeys(settings.served_names)) or (name,), dtype=dtype, is_hybrid=is_hybrid)
 
 
-def engine_config(prepared: PreparedModel, settings: ServeSettings) -> Any:
+def engine_config(prepared: PreparedModel, settings: ServeSettings, codec: ServeCodec) -> Any:
+    """The engine for a prepared model: the serving settings, thinking budgets on the codec's thinking
+    markers (none for a format without them), and the shipped tokenizer for a `jointrl` checkpoint without one."""
     from model import chat
     from rl.rollout.engine import EngineConfig
 
+    markers = codec.reasoning_markers
+    own_tokenizer = (prepared.path / "tokenizer.json").is_file()
     return EngineConfig(
         model_path=str(prepared.path), dtype=prepared.dtype, max_model_len=settings.max_model_len, kv_cache_gib=settings.kv_cache_gib,
         enforce_eager=settings.enforce_eager, seed=settings.seed, max_num_seqs=settings.max_running,
-        reasoning_start=chat.REASONING_START_STR, reasoning_end=chat.REASONING_END_STR)
+        tokenizer=None if own_tokenizer or not codec.is_project_format else str(chat.TOKENIZER_DIR),
+        reasoning_start=markers[0] if markers else None, reasoning_end=markers[1] if markers else None,
+        max_images_per_prompt=codec.max_images)
 
 
 def build_service(model_or_ckpt: str, settings: ServeSettings, record_dir: str | None) -> ChatService:
-    from model import chat
     from rl.serve.engine import StreamingEngine
 
     prepared = prepare_model(model_or_ckpt, settings)
-    try:
-        tokenizer = chat.load_tokenizer(prepared.path)
-    except ValueError as e:
-        raise ServeError(f"{prepared.path}: the tokenizer does not carry the project chat format's special tokens ({e})") from None
-    engine = StreamingEngine(engine_config(prepared, settings))
+    codec = build_codec(prepared.path, settings)
+    log.info("chat codec: %s (--chat-codec %s)", codec.describe(), settings.chat_codec)
+    engine = StreamingEngine(engine_config(prepared, settings, codec))
     aliases = tuple(n for n in (model_or_ckpt,) if n not in prepared.served_names)
     recorder = Recorder(record_dir) if record_dir else None
     if recorder is not None:
         log.info("recording requests to %s", recorder.path)
-    return ChatService(engine, tokenizer, settings, prepared.served_names, settings.max_model_len, recorder, aliases=aliases)
+    return ChatService(engine, codec, settings, prepared.served_names, settings.max_model_len, recorder, aliases=aliases)
 
 
 def serve(args: ServeArgs) -> int:

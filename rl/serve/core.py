@@ -1,36 +1,62 @@
-"""The serving core both wire protocols share: settings, errors, the internal request/reply model, the chat-codec seam.
+"""The serving core both wire protocols share: errors, the internal request/reply model, replies, token reuse.
 
 What it does
 - `ApiError`: an error reply (status, message, param, code); each protocol renders it in its own shape.
 - `ChatRequest`: a validated, protocol-neutral request (messages as `jointrl.records.Message`, tools as
   function schemas, tool choice, thinking budget, sampling). `rl.serve.openai` and
   `rl.serve.anthropic` translate their wire formats to it; `rl.serve.service` runs it.
-- `ChatCodec`: the one seam through which the service renders prompts and parses completions
-  (`ProjectChatCodec` wraps `model/chat.py`); a per-checkpoint codec plugs in here.
-- `finish_choice`: a finished completion (ids) -> the reply message, finish reason and parse errors.
-- `StreamFields`: the prefix of the reasoning / content fields that is final while tokens still arrive,
-  so both protocols can stream deltas that join to exactly the finished message.
-- Token reuse across turns (`TokenHistory`, `encode_prompt`).
+- `finish_choice`: a finished completion (ids) -> the reply message (parsed by the checkpoint's chat
+  codec, `rl.serve.codec.ServeCodec`), finish reason and parse errors.
+- Token reuse across turns (`TokenHistory`, `encode_prompt`), on the codec's token ids.
 
 What it does not do
-- No HTTP, no engine calls, no wire formats.
+- No HTTP, no engine calls, no wire formats, no chat format of its own (rl/serve/codec.py).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Protocol, Sequence
 
 from jointrl.records import Message
-from model import chat
 from rl.serve.settings import TIERS, ServeSettings
 
+if TYPE_CHECKING:
+    from rl.serve.codec import ServeCodec
+
 Protocol_ = Literal["openai", "anthropic"]
-IMAGES_REFUSED = ("image input is not supported by this server yet: the served model has no vision input path "
-                  "(multimodal serving is a separate change); send text only")
+IMAGES_REFUSED = ("image input is not supported by this server: the served model has no vision tower (image input is "
+                  "HybridMoe's, in the project chat format) or the server runs with --max-images 0; send text only")
+
+
+def request_image(data: bytes, codec: "ServeCodec", where: str, param: str) -> bytes:
+    """Client image bytes checked against the served model's image contract (model/vision.py): a 400 naming
+    the content part when the server takes no images (`image_input_unsupported`) or the image is unusable
+    (`invalid_image`: undecodable, a side not a multiple of the patch size, too large)."""
+    from model.vision import ImageError, decode_image
+
+    if codec.vision is None or codec.max_images == 0:
+        raise ApiError(400, f"{where}: {IMAGES_REFUSED}", param=param, code="image_input_unsupported")
+    try:
+        decode_image(data, codec.vision)
+    except ImageError as e:
+        raise ApiError(400, f"{where}: {e}", param=param, code="invalid_image") from None
+    return data
+
+
+def base64_image(text: Any, where: str, param: str) -> bytes:
+    import base64
+    import binascii
+
+    if not isinstance(text, str) or not text:
+        raise bad(f"{where}: image data must be a non-empty base64 string", param, "invalid_image")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"{where}: image data is not valid base64", param, "invalid_image") from None
 
 
 # ============================================================================ errors
@@ -149,124 +175,6 @@ def check_model(model: Any, names: Sequence[str]) -> str:
     return model
 
 
-# ============================================================================ the chat-codec seam
-@dataclass(frozen=True)
-class ParsedCompletion:
-    message: Message
-    errors: tuple[str, ...]
-
-
-class ChatCodec(Protocol):
-    """Everything the service needs to know about a checkpoint's chat format."""
-
-    stop_token_ids: tuple[int, ...]  # end of turn
-    think_end_id: int
-    tool_call_start_id: int
-    end_of_turn_id: int
-    end_of_turn: str
-
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None) -> str: ...
-
-    def render_completion(self, message: Message) -> str: ...
-
-    def parse_completion(self, text: str, turn: int) -> ParsedCompletion: ...
-
-    def forced_call_prefix(self, name: str | None) -> str: ...
-
-    def defuse(self, text: str) -> str: ...
-
-    def stream_fields(self, text: str, holdback: Sequence[str]) -> "StreamFields": ...
-
-
-@dataclass(frozen=True)
-class StreamFields:
-    """The part of the reply's reasoning / content that is final, given the completion text so far.
-
-    `thinking_closed`: reasoning is complete. `tool_call_started`: content is complete.
-    """
-
-    reasoning: str
-    content: str
-    thinking_closed: bool
-    tool_call_started: bool
-
-
-def _hold(s: str, markers: Sequence[str]) -> str:
-    """`s` without the longest suffix that could still grow into one of `markers` (never final yet)."""
-    cut = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(s)), 0, -1):
-            if s.endswith(m[:k]):
-                cut = max(cut, k)
-                break
-    return s[: len(s) - cut] if cut else s
-
-
-class ProjectChatCodec:
-    """The project chat format (`model/chat.py`)."""
-
-    stop_token_ids = chat.STOP_TOKEN_IDS
-    think_end_id = chat.THINK_END_ID
-    tool_call_start_id = chat.TOOL_CALL_START_ID
-    end_of_turn_id = chat.IM_END_ID
-    end_of_turn = chat.IM_END_TOKEN
-
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None) -> str:
-        return chat.render(messages, list(tools) if tools else None, add_generation_prompt=True)
-
-    def render_completion(self, message: Message) -> str:
-        return chat.render_completion(message)
-
-    def parse_completion(self, text: str, turn: int) -> ParsedCompletion:
-        p = chat.parse_assistant(text, turn)
-        return ParsedCompletion(p.message, p.errors)
-
-    def forced_call_prefix(self, name: str | None) -> str:
-        """Text appended after `</think>` to make the model call a tool (the chat format's call layout)."""
-        head = f"\n\n{chat.TOOL_CALL_START_TOKEN}\n" + '{"name": '
-        if name is not None:
-            return head + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-        return head + '"'
-
-    def defuse(self, text: str) -> str:
-        return chat.defuse(text)
-
-    def stream_fields(self, text: str, holdback: Sequence[str]) -> StreamFields:
-        """Mirror of `chat.parse_assistant`'s split, keeping back whatever later text could still change.
-
-        A trailing "\\n" is held (the parser drops one before `</think>` and `<tool_call>`), and so is
-        any suffix that could become a marker or a stop string (`holdback`).
-        """
-        markers = (chat.THINK_END_TOKEN, chat.IM_END_TOKEN, chat.TOOL_CALL_START_TOKEN, *holdback)
-        body = text[1:] if text.startswith("\n") else text
-        if not text:
-            return StreamFields("", "", False, False)
-        end = body.find(chat.IM_END_TOKEN)
-        if end >= 0:
-            body = body[:end]
-        close = body.find(chat.THINK_END_TOKEN)
-        if close < 0:
-            r = _hold(body, markers) if end < 0 else body
-            return StreamFields(r[:-1] if r.endswith("\n") else r, "", False, False)
-        reasoning = body[:close]
-        reasoning = reasoning[:-1] if reasoning.endswith("\n") else reasoning
-        rest = body[close + len(chat.THINK_END_TOKEN):]
-        if end < 0 and rest in ("", "\n"):
-            return StreamFields(reasoning, "", True, False)  # "\n" may still become the "\n\n" separator
-        rest = rest[2:] if rest.startswith("\n\n") else rest[1:] if rest.startswith("\n") else rest
-        first = rest.find(chat.TOOL_CALL_START_TOKEN)
-        if first >= 0:
-            content = rest[:first]
-            return StreamFields(reasoning, content[:-1] if content.endswith("\n") else content, True, True)
-        c = _hold(rest, markers) if end < 0 else rest
-        if end < 0 and c.endswith("\n"):
-            c = c[:-1]
-        return StreamFields(reasoning, c, True, False)
-
-
-DEFAULT_CODEC = ProjectChatCodec()
-
-
 # ============================================================================ completions -> replies
 @dataclass(frozen=True)
 class Completion:
@@ -336,20 +244,19 @@ def first_stop(text: str, stops: Sequence[str]) -> tuple[int, int, str] | None:
     return min(hits) if hits else None
 
 
-def finish_choice(index: int, comp: Completion, tokenizer: TokenizerLike, req: ChatRequest, turn: int,
-                  codec: ChatCodec = DEFAULT_CODEC) -> Choice:
-    """Decode, apply stop strings and tool_choice, parse into an assistant message."""
+def finish_choice(index: int, comp: Completion, codec: "ServeCodec", req: ChatRequest, turn: int) -> Choice:
+    """Decode, apply stop strings and tool_choice, parse into an assistant message (the codec's parser)."""
+    tokenizer = codec.tokenizer
     ids = comp.token_ids
     ends = token_text_ends(tokenizer, ids)
     text = tokenizer.decode(list(ids), skip_special_tokens=False)
     finish: str = "length" if comp.engine_finish == "length" else "stop"
-    if req.tool_choice.mode == "none" and ids and ids[-1] == codec.tool_call_start_id and comp.engine_finish == "stop":
-        # Generation was stopped at the opening of a tool call: the reply ends before it.
-        text = text[: ends[-2]] if len(ends) > 1 else ""
-        if text.endswith("\n"):  # the separator the format puts between content and a tool call
-            text = text[:-1]
-        finish = "stop"
     cut = first_stop(text, req.stop)
+    call_marker = codec.refused_call_marker(req.tool_choice.mode, bool(req.tools))
+    at = text.find(call_marker) if call_marker else -1
+    if at >= 0 and (cut is None or at < cut[0]):
+        # tool_choice none: generation was stopped at the opening of a tool call; the reply ends before it.
+        cut = (at, at + len(call_marker), None)
     stop_string = None
     if cut is not None:
         # Like a stop string in vLLM: the reply ends before it; the ids end with the token completing it
@@ -358,14 +265,23 @@ def finish_choice(index: int, comp: Completion, tokenizer: TokenizerLike, req: C
         comp = replace(comp, token_ids=ids[:keep], logprobs=comp.logprobs[:keep], loss_mask=comp.loss_mask[:keep], engine_finish="stop")
         ids, ends = comp.token_ids, ends[:keep]
         text, finish, stop_string = text[: cut[0]], "stop", cut[2]
+        if stop_string is None and text.endswith("\n"):  # the separator the format puts before a tool call
+            text = text[:-1]
     ends = tuple(min(e, len(text)) for e in ends)
-    parsed = codec.parse_completion(text, turn)
+    # A cut reply is parsed from its text (the ids run past the cut); the record keeps the ids.
+    parse_ids = ids if cut is None else tokenizer.encode(text, add_special_tokens=False)
+    parsed = codec.parse(parse_ids, turn, req.tools if req.tool_choice.mode != "none" else None)
     msg = parsed.message
     if req.tool_choice.mode == "none" and msg.tool_calls:
-        msg = replace(msg, tool_calls=())  # cannot happen after the stop above; kept as a guarantee
+        msg = replace(msg, tool_calls=())  # cannot happen after the cut above; kept as a guarantee
     if msg.tool_calls and finish == "stop":
         finish = "tool_calls"
-    reasoning_tokens = ids.index(codec.think_end_id) if codec.think_end_id in ids else len(ids)
+    marker = codec.reasoning_end
+    close = text.find(marker) if marker else -1
+    if close >= 0:
+        reasoning_tokens = sum(1 for e in ends if e <= close)  # the tokens before the end-of-thinking marker
+    else:
+        reasoning_tokens = len(ids) if msg.reasoning is not None and not msg.content and not msg.tool_calls else 0
     return Choice(index=index, completion=comp, text=text, message=msg, finish_reason=finish,  # type: ignore[arg-type]
                   parse_errors=parsed.errors, reasoning_tokens=reasoning_tokens, token_ends=ends, stop_string=stop_string)
 
@@ -385,59 +301,64 @@ class PromptTokens:
     continues: tuple[str, int] | None = None  # (record id, choice index)
 
 
-class TokenHistory:
-    """Remembers `prompt text + generated text -> the ids the engine saw and sampled`, for reuse next turn.
+def _prefix_digests(ids: Sequence[int], ends: frozenset[int]) -> list[tuple[int, bytes]]:
+    """(n, sha256 of ids[:n]) for every n just after an end-of-turn id, in one pass."""
+    h = hashlib.sha256()
+    out, last = [], 0
+    for i, t in enumerate(ids):
+        if t in ends:
+            h.update(array("q", ids[last: i + 1]).tobytes())
+            last = i + 1
+            out.append((last, h.copy().digest()))
+    return out
 
-    Only completions that ended with the end-of-turn token are stored, keyed by their full text. A
-    later prompt text that extends a stored text exactly at such a boundary reuses the stored ids and
-    tokenises only the rest - the rest starts with "\\n" right after a special token, so tokenising it
-    alone gives the ids tokenising the whole would (chat format guarantee, docs/chat_format.md). A
-    bounded LRU; thread-safe.
+
+class TokenHistory:
+    """Remembers `the codec's ids of a conversation up to a reply -> the ids the engine saw and sampled`, for reuse next turn.
+
+    Keys are the codec's own rendering (prompt ids + `completion_ids` of the parsed reply), which
+    ends with an end-of-turn id. A later request whose rendered prompt starts with such a key, cut
+    just after an end-of-turn id, reuses the stored ids and appends the rest of its own rendering:
+    a cut right after a special token cannot merge with what follows. The service stores a reply only
+    when its rendering decodes to the generated text, so reuse swaps a re-tokenisation for the sampled
+    ids of the same text. A bounded LRU; thread-safe.
     """
 
-    def __init__(self, capacity: int, end_of_turn: str = chat.IM_END_TOKEN) -> None:
+    def __init__(self, capacity: int, end_ids: Iterable[int]) -> None:
         self.capacity = capacity
-        self.end_of_turn = end_of_turn
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], tuple[str, int]]] = OrderedDict()
+        self.end_ids = frozenset(int(i) for i in end_ids)
+        self._entries: OrderedDict[bytes, tuple[tuple[int, ...], tuple[str, int]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _key(text: str) -> str:
-        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-    def remember(self, text: str, token_ids: Sequence[int], source: tuple[str, int]) -> None:
-        if self.capacity <= 0 or not text.endswith(self.end_of_turn):
+    def remember(self, rendered: Sequence[int], token_ids: Sequence[int], source: tuple[str, int]) -> None:
+        if self.capacity <= 0 or not rendered or rendered[-1] not in self.end_ids:
             return
+        k = _prefix_digests(rendered, self.end_ids)[-1][1]
         with self._lock:
-            k = self._key(text)
             self._entries[k] = (tuple(token_ids), source)
             self._entries.move_to_end(k)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def longest_prefix(self, text: str) -> tuple[int, tuple[int, ...], tuple[str, int]] | None:
-        """(chars covered, ids, source) of the longest stored text that `text` extends at a turn boundary."""
-        ends = []
-        pos = text.find(self.end_of_turn)
-        while pos >= 0:
-            ends.append(pos + len(self.end_of_turn))
-            pos = text.find(self.end_of_turn, pos + 1)
+    def longest_prefix(self, rendered: Sequence[int]) -> tuple[int, tuple[int, ...], tuple[str, int]] | None:
+        """(rendered ids covered, stored ids, source) of the longest stored key that `rendered` starts with."""
+        digests = _prefix_digests(rendered, self.end_ids)
         with self._lock:
-            for end in reversed(ends):
-                hit = self._entries.get(self._key(text[:end]))
+            for n, k in reversed(digests):
+                hit = self._entries.get(k)
                 if hit is not None:
-                    self._entries.move_to_end(self._key(text[:end]))
-                    return end, hit[0], hit[1]
+                    self._entries.move_to_end(k)
+                    return n, hit[0], hit[1]
         return None
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
-def encode_prompt(text: str, tokenizer: TokenizerLike, history: TokenHistory | None) -> PromptTokens:
-    hit = history.longest_prefix(text) if history is not None else None
+def encode_prompt(rendered: Sequence[int], history: TokenHistory | None) -> PromptTokens:
+    """The ids to send: `rendered` (the codec's prompt ids), its longest remembered head swapped for the sampled ids."""
+    hit = history.longest_prefix(rendered) if history is not None else None
     if hit is None:
-        return PromptTokens(tuple(tokenizer.encode(text, add_special_tokens=False)))
-    chars, ids, source = hit
-    rest = tokenizer.encode(text[chars:], add_special_tokens=False) if chars < len(text) else []
-    return PromptTokens(tuple(ids) + tuple(rest), reused=len(ids), continues=source)
+        return PromptTokens(tuple(rendered))
+    n, ids, source = hit
+    return PromptTokens(tuple(ids) + tuple(rendered[n:]), reused=len(ids), continues=source)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rl.rollout.engine import EngineError, GenerateRequest, RolloutEngine
+from rl.rollout.multimodal import engine_prompt
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class StreamingEngine(RolloutEngine):
         if self._broken:
             raise EngineError(f"the engine is broken after a failed step: {self._broken}")
         params = [self._sampling_params(r) for _, r in requests]
+        prompts = {rid: engine_prompt(r.prompt_token_ids, r.images, self.vision, self.config.max_images_per_prompt)
+                   for rid, r in requests}
         with self._cv:  # the stepper holds this for a whole step: requests join at a step boundary
             if self._closed:
                 raise EngineError("the engine was shut down")
@@ -73,7 +76,7 @@ class StreamingEngine(RolloutEngine):
                 raise EngineError(f"request ids already in use: {clash[:4]}")
             for (rid, r), sp in zip(requests, params):
                 sp.output_kind = RequestOutputKind.DELTA
-                self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(r.prompt_token_ids)}, sp)
+                self.llm.llm_engine.add_request(rid, prompts[rid], sp)
                 self._streams[rid] = deliver
             self._cv.notify_all()
 
@@ -117,6 +120,7 @@ class StreamingEngine(RolloutEngine):
 
     def _step_loop(self) -> None:
         """Continuous batching over both kinds of request: futures (submit) and streams (open_streams)."""
+        self._apply_threads()
         while True:
             with self._cv:
                 while not self._pending and not self._streams and not self._closed:

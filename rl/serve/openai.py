@@ -9,7 +9,10 @@ What it does
 - `stream_chunks`: the chunk sequence of an already finished reply (the same deltas joined).
 
 What it does not do
-- No generation: `rl.serve.service` runs the request; images are refused with a 400 naming why.
+- Images: `image_url` / `input_image` parts with base64 data URLs reach the model (checkpoints with a vision
+  tower); bad images are a 400 `invalid_image`, and a server that takes no images answers 400
+  `image_input_unsupported`.
+- No generation: `rl.serve.service` runs the request.
 """
 from __future__ import annotations
 
@@ -17,30 +20,50 @@ import json
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from jointrl.records import Message, ToolCall
-from rl.serve.core import (DEFAULT_CODEC, IMAGES_REFUSED, ApiError, ChatCodec, ChatRequest, Choice, ServeSettings, ToolChoice,
+from rl.serve.codec import ServeCodec
+from rl.serve.core import (IMAGES_REFUSED, ApiError, ChatRequest, Choice, ServeSettings, ToolChoice, base64_image, request_image,
                            TokenizerLike, bad, check_limits, check_model, is_int, parse_budget_value, sampling_numbers)
 from rl.serve.service import Finished, Prepared, TextDelta
 
-def _text_content(content: Any, where: str) -> str:
-    """OpenAI content (a string, null or a list of text parts) -> text; images are refused."""
+def _data_url_image(part: Mapping[str, Any], where: str, codec: ServeCodec, param: str) -> bytes:
+    """An `image_url` / `input_image` part's data URL -> checked image bytes. Only data URLs: the server
+    fetches nothing from the network on a client's behalf."""
+    if codec.vision is None or codec.max_images == 0:
+        raise ApiError(400, f"{where}: {IMAGES_REFUSED}", param=param, code="image_input_unsupported")
+    url = part.get("image_url")
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise bad(f"{where}.image_url must be a data URL string or {{'url': data URL}}", param, "invalid_image")
+    head, sep, data = url.partition(",")
+    if not sep or not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise bad(f"{where}: only base64 data URLs (data:image/png;base64,...) are accepted; got {url[:40]!r}", param,
+                  "image_url_unsupported")
+    return request_image(base64_image(data, where, param), codec, where, param)
+
+
+def _content(content: Any, where: str, codec: ServeCodec) -> tuple[str, tuple[bytes, ...]]:
+    """OpenAI content (a string, null or a list of text and image parts) -> (text, images). The images are
+    shown before the text (model/chat.py places them so), in the order sent."""
     if content is None:
-        return ""
+        return "", ()
     if isinstance(content, str):
-        return content
+        return content, ()
     if isinstance(content, list):
-        out = []
+        out, images = [], []
         for j, part in enumerate(content):
             if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
                 raise bad(f"{where}.content[{j}] must be an object with a 'type'", f"{where}.content")
             if part["type"] in ("image_url", "image", "input_image"):
-                raise ApiError(400, f"{where}.content[{j}]: {IMAGES_REFUSED}", param=f"{where}.content", code="image_input_unsupported")
+                images.append(_data_url_image(part, f"{where}.content[{j}]", codec, f"{where}.content"))
+                continue
             if part["type"] != "text":
                 raise bad(f"{where}.content[{j}]: content parts of type {part['type']!r} are not supported "
                            "by this server (text only)", f"{where}.content")
             if not isinstance(part.get("text"), str):
                 raise bad(f"{where}.content[{j}].text must be a string", f"{where}.content")
             out.append(part["text"])
-        return "".join(out)
+        return "".join(out), tuple(images)
     raise bad(f"{where}.content must be a string, null or a list of text parts, got {type(content).__name__}",
                f"{where}.content")
 
@@ -71,7 +94,7 @@ def _parse_tool_call(d: Any, where: str) -> ToolCall:
     return ToolCall(id=str(call_id or ""), name=name, arguments=args)
 
 
-def parse_message(d: Any, i: int, codec: ChatCodec = DEFAULT_CODEC) -> Message:
+def parse_message(d: Any, i: int, codec: ServeCodec) -> Message:
     """One OpenAI message dict -> `Message`, or ApiError naming what is wrong."""
     where = f"messages[{i}]"
     if not isinstance(d, Mapping):
@@ -81,13 +104,16 @@ def parse_message(d: Any, i: int, codec: ChatCodec = DEFAULT_CODEC) -> Message:
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
         raise bad(f"{where}.role {role!r} is not one of 'system', 'user', 'assistant', 'tool'", f"{where}.role")
-    content = _text_content(d.get("content"), where)
+    content, images = _content(d.get("content"), where, codec)
+    if images and role not in ("user", "tool"):
+        raise bad(f"{where}: images are accepted in user and tool messages only (role {role!r})", f"{where}.content")
     if role != "assistant":
         if d.get("tool_calls"):
             raise bad(f"{where}: only assistant messages may carry tool_calls (role {role!r})", f"{where}.tool_calls")
         if role == "tool" and d.get("tool_call_id") is not None and not isinstance(d.get("tool_call_id"), str):
             raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
-        return Message(role=role, content=codec.defuse(content), tool_call_id=d.get("tool_call_id") if role == "tool" else None)
+        return Message(role=role, content=codec.defuse(content), tool_call_id=d.get("tool_call_id") if role == "tool" else None,
+                       images=images)
     raw_calls = d.get("tool_calls") or []
     if not isinstance(raw_calls, list):
         raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
@@ -174,7 +200,7 @@ def _merge_extra_body(body: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**{k: v for k, v in body.items() if k != "extra_body"}, **extra}
 
 
-def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence[str], codec: ChatCodec = DEFAULT_CODEC) -> ChatRequest:
+def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence[str], codec: ServeCodec) -> ChatRequest:
     """Validate a decoded JSON body; every problem is an ApiError naming the field."""
     if not isinstance(body, Mapping):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", None)

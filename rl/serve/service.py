@@ -1,8 +1,12 @@
 """The chat service both protocols call: prompt building, streamed generation with abort, tool_choice forcing, recording, admission, metrics.
 
 What it does
-- `ChatService.prepare(req)`: render (through the `ChatCodec` seam), tokenise with token reuse,
-  check the context room -> a `Prepared` request. Raises ApiError before anything reaches the engine.
+- `ChatService.prepare(req)`: the prompt ids of the checkpoint's chat codec (`rl.serve.codec.ServeCodec`:
+  its template's rendering, token-exact), with token reuse; the context room; the generation caps
+  -> a `Prepared` request. Raises ApiError before anything reaches the engine.
+- Thinking tiers: with a format that has a thinking block (single-token markers) the tier's budget
+  is vLLM's thinking budget; without one it caps the reply's tokens instead, as in training
+  (rl/rollout/agent_loop.py), and a zero budget (thinking disabled) caps nothing.
 - `ChatService.run(prepared)`: an async iterator of `TextDelta` events (reasoning / content pieces as
   the engine produces them) ending with one `Finished` event (the parsed choices). Closing the
   iterator early (the client went away) aborts the engine requests at once. Finished replies are
@@ -26,9 +30,11 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Protocol, Sequence
 
 from rl.log import get_logger
-from rl.serve.core import (DEFAULT_CODEC, ApiError, ChatCodec, ChatRequest, Choice, Completion, PromptTokens, ServeSettings,
-                           TokenHistory, bad, encode_prompt, finish_choice, first_stop)
+from rl.serve.codec import ServeCodec
+from rl.serve.core import (ApiError, ChatRequest, Choice, Completion, PromptTokens, ServeSettings, TokenHistory, bad, encode_prompt,
+                           finish_choice, first_stop)
 from rl.serve.records import Recorder, RecordedChoice, ServeRecord
+from rl.types import TokenImage
 
 log = get_logger("serve")
 
@@ -61,9 +67,12 @@ class Prepared:
     id: str
     created: int
     req: ChatRequest
-    prompt_text: str
-    prompt: PromptTokens
-    max_tokens: int
+    rendered: tuple[int, ...]  # the codec's prompt ids (the template's rendering)
+    prompt: PromptTokens  # what the engine sees: `rendered` with a remembered head swapped for sampled ids
+    max_tokens: int  # the reply's cap: the request's, the context room, and (no thinking block) the tier's budget
+    thinking_budget: int | None  # vLLM thinking budget; None: no cap, or a format without a thinking block
+    watch: tuple[str, ...] = ()  # text that ends generation besides the request's stop strings (tool_choice none)
+    images: tuple[TokenImage, ...] = ()  # the request's images with the prompt spans they feed
 
     @property
     def n_prompt(self) -> int:
@@ -178,18 +187,17 @@ class _ChoiceState:
 class ChatService:
     """Turns validated requests into engine streams and replies; owns token reuse, recording, admission and metrics."""
 
-    def __init__(self, engine: EngineLike, tokenizer: Any, settings: ServeSettings, model_names: Sequence[str],
-                 max_model_len: int, recorder: Recorder | None = None, codec: ChatCodec = DEFAULT_CODEC,
-                 aliases: Sequence[str] = ()) -> None:
+    def __init__(self, engine: EngineLike, codec: ServeCodec, settings: ServeSettings, model_names: Sequence[str],
+                 max_model_len: int, recorder: Recorder | None = None, aliases: Sequence[str] = ()) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.codec = codec
+        self.tokenizer = codec.tokenizer
         self.settings = settings
         self.listed_names = tuple(model_names)  # what /v1/models lists
         self.model_names = self.listed_names + tuple(a for a in aliases if a not in self.listed_names)  # what requests may name
         self.max_model_len = max_model_len
         self.recorder = recorder
-        self.codec = codec
-        self.history = TokenHistory(settings.token_cache_entries, codec.end_of_turn)
+        self.history = TokenHistory(settings.token_cache_entries, (codec.end_token_id,))
         self.admission = Admission(settings.max_running, settings.max_queue)
         self.metrics = ServeMetrics()
         self.created = int(time.time())
@@ -209,11 +217,22 @@ class ChatService:
 
     # -- prompt
     def prepare(self, req: ChatRequest) -> Prepared:
+        codec = self.codec
+        mode = req.tool_choice.mode
+        if mode in ("required", "function") and codec.forced_call_prefix(req.tool_choice.name, False) is None:
+            raise bad(f"tool_choice {mode if mode == 'required' else 'naming a function'} needs a tool-call opening the server can "
+                      f"write for the model, and this server's chat format ({codec.describe()}) has none it knows "
+                      "(the project format, or Hermes <tool_call> with the hermes parser); use tool_choice auto", "tool_choice",
+                      "tool_choice_unsupported")
         try:
-            text = self.codec.render_prompt(req.messages, req.tools)
-        except (ValueError, TypeError) as e:
-            raise bad(f"messages cannot be rendered in the chat format: {e}", "messages") from None
-        prompt = encode_prompt(text, self.tokenizer, self.history)
+            rendered = tuple(codec.prompt_ids(req.messages, req.tools))
+        except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja raise_exception, bad roles): the request's fault
+            raise bad(f"messages cannot be rendered in the served model's chat format ({codec.describe()}): "
+                      f"{type(e).__name__}: {e}", "messages") from None
+        rendered, images = self._place_images(req, rendered)
+        # Token reuse swaps a remembered head of the prompt for sampled ids, which may differ in length and
+        # would move the image spans: requests with images are encoded as rendered.
+        prompt = encode_prompt(rendered, None if images else self.history)
         n_prompt = len(prompt.token_ids)
         room = self.max_model_len - n_prompt
         if room < 1:
@@ -223,8 +242,37 @@ class ChatService:
         # max_tokens larger than the room left is clamped (finish_reason "length" says when it bit).
         cap = room if self.settings.max_tokens_limit is None else min(room, self.settings.max_tokens_limit)
         max_tokens = cap if req.max_tokens is None else min(req.max_tokens, room)
+        budget = req.thinking_budget
+        if codec.reasoning_markers is None:
+            # No thinking block to budget: the tier caps the whole reply (training does the same,
+            # rl/rollout/agent_loop.py); a zero budget means "no thinking", which such a model never does.
+            if budget:
+                max_tokens = min(max_tokens, budget)
+            budget = None
+        cut = codec.refused_call_marker(mode, bool(req.tools))
+        watch = (cut,) if cut is not None and codec.tool_call_start_id is None else ()
         prefix = "msg_" if req.protocol == "anthropic" else "chatcmpl-"
-        return Prepared(f"{prefix}{uuid.uuid4().hex[:24]}", int(time.time()), req, text, prompt, max_tokens)
+        return Prepared(f"{prefix}{uuid.uuid4().hex[:24]}", int(time.time()), req, rendered, prompt, max_tokens, budget, watch,
+                        images)
+
+    def _place_images(self, req: ChatRequest, rendered: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[TokenImage, ...]]:
+        """The prompt with each image's placeholder expanded to its patches, and the images' spans (the
+        protocol parsers have checked every image against the model's contract already)."""
+        data = [d for m in req.messages for d in m.images]
+        if not data:
+            return rendered, ()
+        codec = self.codec
+        if len(data) > codec.max_images:
+            raise bad(f"the request carries {len(data)} images; this server accepts at most {codec.max_images} (--max-images)",
+                      "messages", "too_many_images")
+        from model.vision import ImageError, expand_placeholders, open_image
+
+        try:
+            ids, spans = expand_placeholders(rendered, [codec.vision.num_patches(*open_image(d).size) for d in data],
+                                             codec.vision.image_token_id)
+        except ImageError as e:
+            raise bad(f"messages: {e}", "messages", "invalid_image") from None
+        return tuple(ids), tuple(TokenImage(d, s.start, s.length) for d, s in zip(data, spans))
 
     def count_tokens(self, req: ChatRequest) -> int:
         return self.prepare(req).n_prompt
@@ -313,7 +361,7 @@ class ChatService:
                     if d.finish_reason is not None:
                         done = True
                 # A plain reply without stop strings needs no text until the end (finish_choice decodes it).
-                stop = self._emit(st, prep, out) if (prep.req.stream or prep.req.stop) else None
+                stop = self._emit(st, prep, out) if (prep.req.stream or prep.req.stop or prep.watch) else None
                 if stop is not None:
                     return "stop", deltas[-1].policy_version, stop
                 if done:
@@ -323,44 +371,56 @@ class ChatService:
                 self.engine.abort([rid])
 
     def _emit(self, st: _ChoiceState, prep: Prepared, out: asyncio.Queue) -> str | None:
-        """Queue the newly final part of the reasoning / content fields; returns a stop string once one appears."""
+        """Queue the newly final part of the reasoning / content fields; returns a stop string (or a watched
+        marker) once one appears."""
         text = st.decode(self.tokenizer)
-        stop = first_stop(text, prep.req.stop)
+        ends = prep.req.stop + prep.watch
+        stop = first_stop(text, ends)
         if stop is not None:
             text = text[: stop[0]]
-        f = self.codec.stream_fields(text, prep.req.stop if stop is None else ())
+        req = prep.req
+        f = self.codec.stream_fields(text, ends if stop is None else (), bool(req.tools) and req.tool_choice.mode != "none")
         _send(st, out, f.reasoning, f.content)
         return None if stop is None else stop[2]
 
     async def _choice(self, st: _ChoiceState, prep: Prepared, out: asyncio.Queue, t0: float, first: list[float]) -> Completion:
+        """One choice: generate; for tool_choice required / named, write the call's opening (mask 0) once
+        thinking ends (at once for a format without a thinking block) and let the model finish the call."""
         from rl.rollout.engine import GenerateRequest
 
         req, codec = prep.req, self.codec
-        mode = req.tool_choice.mode
+        force = req.tool_choice.mode in ("required", "function")
+        think_first = codec.reasoning_end_id is not None
         stops = codec.stop_token_ids
-        if mode in ("required", "function"):
-            stops = stops + (codec.think_end_id,)  # stop when thinking ends, then force the call
-        elif mode == "none":
-            stops = stops + (codec.tool_call_start_id,)
+        if force and think_first:
+            stops = stops + (codec.reasoning_end_id,)  # stop when thinking ends, then force the call
+        cut = codec.refused_call_marker(req.tool_choice.mode, bool(req.tools))
+        if cut is not None and codec.tool_call_start_id is not None:
+            stops = stops + (codec.tool_call_start_id,)  # (a marker of several tokens is watched in the text: prep.watch)
 
         def seed(phase: int) -> int | None:
             return None if req.seed is None else req.seed + 1000 * phase + st.index
 
+        def generate(prompt: tuple[int, ...], max_tokens: int, stop_ids: tuple[int, ...], budget: int | None, phase: int) -> Any:
+            return GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                   stop_token_ids=stop_ids, thinking_budget=budget, seed=seed(phase), images=prep.images)
+
         prompt = prep.prompt.token_ids
-        finish, version, stop = await self._phase(
-            GenerateRequest(prompt_token_ids=prompt, max_tokens=prep.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            stop_token_ids=stops, thinking_budget=req.thinking_budget, seed=seed(0)), st, prep, True, out, t0, first)
-        if mode in ("required", "function") and stop is None and finish == "stop" and st.ids and st.ids[-1] == codec.think_end_id:
-            forced = tuple(self.tokenizer.encode(codec.forced_call_prefix(req.tool_choice.name), add_special_tokens=False))
+        finish, version, stop = "length", self.engine.policy_version, None
+        if not force or think_first:
+            finish, version, stop = await self._phase(generate(prompt, prep.max_tokens, stops, prep.thinking_budget, 0),
+                                                      st, prep, True, out, t0, first)
+        thought = bool(st.ids) and st.ids[-1] == codec.reasoning_end_id and finish == "stop" and stop is None
+        if force and (thought or not think_first):
+            text = codec.forced_call_prefix(req.tool_choice.name, after_reasoning=think_first)
+            forced = tuple(self.tokenizer.encode(text, add_special_tokens=False))
             room = prep.max_tokens - len(st.ids) - len(forced)
             if room > 0:
                 st.ids += forced
                 st.logprobs += [None] * len(forced)
                 st.mask += [0] * len(forced)
-                finish, version, stop = await self._phase(
-                    GenerateRequest(prompt_token_ids=prompt + tuple(st.ids), max_tokens=room, temperature=req.temperature,
-                                    top_p=req.top_p, stop_token_ids=codec.stop_token_ids, thinking_budget=None, seed=seed(1)),
-                    st, prep, True, out, t0, first)
+                finish, version, stop = await self._phase(generate(prompt + tuple(st.ids), room, codec.stop_token_ids, None, 1),
+                                                          st, prep, True, out, t0, first)
         return Completion(tuple(st.ids), tuple(st.logprobs), tuple(st.mask), finish, version, stop)
 
     async def run(self, prep: Prepared, route: str = "") -> AsyncIterator[TextDelta | Finished]:
@@ -392,7 +452,7 @@ class ChatService:
                         yield ev
             comps = [t.result() for t in tasks]
             turn = sum(1 for m in req.messages if m.role == "assistant")
-            choices = tuple(finish_choice(i, c, self.tokenizer, req, turn, self.codec) for i, c in enumerate(comps))
+            choices = tuple(finish_choice(i, c, self.codec, req, turn) for i, c in enumerate(comps))
             for c, st in zip(choices, states):  # the rest of each field (held-back whitespace, etc.)
                 _send(st, out, c.message.reasoning or "", c.message.content)
             while not out.empty():
@@ -419,15 +479,23 @@ class ChatService:
 
     def _finish(self, prep: Prepared, choices: Sequence[Choice]) -> None:
         for c in choices:
-            # Remember only completions the client can send back verbatim: the re-rendered message must be
-            # the generated text, else the next prompt would not extend these ids.
             ids = c.completion.token_ids
-            if ids and ids[-1] == self.codec.end_of_turn_id and not c.parse_errors:
-                if self.codec.render_completion(c.message) == c.text:
-                    self.history.remember(prep.prompt_text + c.text, prep.prompt.token_ids + ids, (prep.id, c.index))
+            if ids and ids[-1] == self.codec.end_token_id and not c.parse_errors:
+                self._remember(prep, c)
         self.requests += 1
         if self.recorder is not None:
             self.recorder.write(self.record(prep, choices))
+
+    def _remember(self, prep: Prepared, c: Choice) -> None:
+        """Keep a finished reply's ids for the next turn, when the codec renders the parsed message back to the
+        same text (the client sends back what it was given; otherwise the next prompt cannot extend these ids)."""
+        try:
+            rendered = self.codec.completion_ids(prep.req.messages, c.message, prep.req.tools)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render the reply back: no reuse for it, nothing else
+            log.debug("reply %s not kept for token reuse: %s", prep.id, e)
+            return
+        if self.tokenizer.decode(rendered, skip_special_tokens=False) == c.text:
+            self.history.remember(prep.rendered + tuple(rendered), prep.prompt.token_ids + c.completion.token_ids, (prep.id, c.index))
 
     def record(self, prep: Prepared, choices: Sequence[Choice]) -> ServeRecord:
         from rl.serve.openai import message_json

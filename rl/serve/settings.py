@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping
 
-from rl.config import RolloutSection
+from rl.config import ModelSection, RolloutSection
 
 Tier = Literal["low", "high", "max"]
 TIERS: tuple[str, ...] = ("low", "high", "max")
@@ -47,6 +47,11 @@ class ServeSettings:
     max_tokens_limit: int | None = None  # largest max_tokens accepted (400 above), also the default; None: the context room
     max_running: int = 256  # requests generating at once
     max_queue: int = 256  # requests waiting for a running slot; more get 429 with Retry-After
+    max_images: int = 4  # images one request may carry (a checkpoint with a vision tower, project chat format); 0: refuse images
+    # The chat format, chosen as training chooses it (model.chat_codec / tool_parser / reasoning_parser, whose defaults these are):
+    chat_codec: str = ModelSection.chat_codec  # auto: jointrl for the shipped tokenizer (or none), hf for a checkpoint with a chat template of its own; jointrl; hf
+    tool_parser: str = ModelSection.tool_parser  # hf codec: vLLM's tool parser by its registered name (hermes, qwen3_coder, openai = harmony, ...)
+    reasoning_parser: str = ModelSection.reasoning_parser  # hf codec: vLLM's reasoning parser by its registered name (qwen3, deepseek_r1, ...); empty: the model has no reasoning format (tiers then cap the reply)
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:
@@ -61,6 +66,10 @@ class ServeSettings:
         for key in ("max_n", "max_body_bytes", "max_messages", "max_running"):
             if getattr(self, key) < 1:
                 raise ServeError(f"ServeSettings.{key} must be >= 1, got {getattr(self, key)}")
+        from model.vision import MAX_IMAGES_PER_PROMPT
+
+        if not 0 <= self.max_images <= MAX_IMAGES_PER_PROMPT:
+            raise ServeError(f"ServeSettings.max_images must be in [0, {MAX_IMAGES_PER_PROMPT}], got {self.max_images}")
         if self.max_queue < 0:
             raise ServeError(f"ServeSettings.max_queue must be >= 0, got {self.max_queue}")
         if self.kv_cache_gib <= 0:
@@ -69,6 +78,17 @@ class ServeSettings:
             raise ServeError(f"ServeSettings.max_tokens_limit must be >= 1 or None, got {self.max_tokens_limit}")
         if any(not isinstance(n, str) or not n for n in self.served_names):
             raise ServeError("ServeSettings.served_names: names must be non-empty strings")
+        from rl.rollout import codec  # light: vLLM loads only to check a parser name
+
+        allowed = (codec.AUTO, *codec.codec_names())
+        if self.chat_codec not in allowed:
+            raise ServeError(f"--chat-codec {self.chat_codec!r} is not allowed; allowed values: {', '.join(allowed)}")
+        # The defaults are registered names; any other value is checked against vLLM's registries (a few seconds).
+        for flag, kind, value in (("--tool-parser", "tool", self.tool_parser), ("--reasoning-parser", "reasoning", self.reasoning_parser)):
+            if value != getattr(ModelSection, flag[2:].replace("-", "_")):
+                problem = codec.parser_name_problem(kind, value)
+                if problem:
+                    raise ServeError(f"{flag}: {problem}")
 
     def tier_budget(self, tier: str) -> int | None:
         n = int(self.thinking_budgets[tier])
@@ -118,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, choices=list(TIERS), default=default, help=h)
         elif isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
+        elif f.name == "chat_codec":
+            from rl.rollout.codec import AUTO, codec_names
+
+            p.add_argument(flag, choices=[AUTO, *codec_names()], default=default, help=h)
         elif f.name in ("cache_dir",):
             p.add_argument(flag, default=default, help=h)
         elif f.name == "max_tokens_limit":

@@ -27,7 +27,9 @@ class TrainerWorker:
         self._rss_start_mb = _rss_mb()
         for k, v in (cache_env or {}).items():
             os.environ.setdefault(k, v)
-        torch.set_num_threads(max(1, int(os.environ.get("JOINTRL_TRAINER_THREADS", "1"))))
+        # The run's trainer.threads_per_rank arrives in cache_env and wins over an inherited environment value.
+        threads = (cache_env or {}).get("JOINTRL_TRAINER_THREADS") or os.environ.get("JOINTRL_TRAINER_THREADS", "1")
+        torch.set_num_threads(max(1, int(threads)))
         self.t = PolicyTrainer(model_dir, spec, objective, rank=rank, world_size=world_size, master_port=master_port,
                                master_addr=master_addr)
         self.critic = CriticTrainer(model_dir, critic, world_size) if critic is not None else None
@@ -54,30 +56,33 @@ class TrainerWorker:
         return self.t.compute_logprobs(batch, n_micro, pad_only)
 
     def rl_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
-        """Old-policy logprobs (recording routes for R2 when the engine gave none), reference
-        logprobs when a reference is loaded (unless the batch brings them), then one update."""
-        from rl.algos.kl import kl_per_token
+        """Reference logprobs when a reference is loaded (unless the batch brings them), then one update.
 
+        The update is one optimizer step over the whole batch, so the policy that produced pi_old's
+        logprobs is the one the update's forward runs: `train_step` takes them from that forward
+        (detached) and no pass of their own is made. The exception is R2 routing replay with a
+        reference to feed: the reference replays the routes the policy takes, so those routes are
+        recorded first in a no-grad pass (`compute_logprobs`), whose logprobs then serve as pi_old."""
         t0 = time.perf_counter()
         if pad_only:  # fewer sequences than ranks: this rank only keeps the collectives in step
             m = self.t.train_step(batch, n_micro, pad_only=True)
             if self.critic is not None and batch.returns_BT is not None:
                 m.update(self.critic.value_step(batch, n_micro, pad_only=True))
             return {**m, "train/old_logprob_s": 0.0, "train/busy_s": time.perf_counter() - t0}
-        old_lp, routes = self.t.compute_logprobs(batch, n_micro)
-        t_old = time.perf_counter() - t0
-        if routes is not None:
-            batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
+        needs_ref = self.t.reference is not None and batch.ref_logprobs_BT is None
+        t_old = 0.0
+        if needs_ref and self.t.routing_mode(batch) == "r2" and batch.routed_experts_BTLK is None:
+            old_lp, routes = self.t.compute_logprobs(batch, n_micro)
+            t_old = time.perf_counter() - t0
+            batch = batch.with_(old_logprobs_BT=old_lp)
+            if routes is not None:
+                batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
         extra: dict[str, float] = {}
-        if self.t.reference is not None:
+        if needs_ref:
             t1 = time.perf_counter()
-            if batch.ref_logprobs_BT is None:
-                batch = batch.with_(ref_logprobs_BT=self.t.reference_logprobs(batch))
-            mask = batch.loss_mask_BT > 0
-            # KL(pi_old || pi_ref) on the step's generated tokens, k3 (Schulman 2020), before the update.
-            kl_BT, _ = kl_per_token(old_lp, batch.ref_logprobs_BT, mask, "k3")
-            extra = {"kl/ref_mean": float(kl_BT.sum() / mask.sum().clamp_min(1)), "train/ref_logprob_s": time.perf_counter() - t1}
-        m = self.t.train_step(batch.with_(old_logprobs_BT=old_lp), n_micro)
+            batch = batch.with_(ref_logprobs_BT=self.t.reference_logprobs(batch))
+            extra["train/ref_logprob_s"] = time.perf_counter() - t1
+        m = self.t.train_step(batch, n_micro)
         if self.critic is not None and batch.returns_BT is not None:
             extra.update(self.critic.value_step(batch, n_micro))
         return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}

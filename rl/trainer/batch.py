@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from rl.types import Episode
+from rl.types import Episode, TokenImage
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class TrainBatch:
     step_seqs: int = 0  # sequences
     step_loss_tokens: float = 0.0  # loss-masked target tokens
     routes_from: str = "none"  # who recorded routed_experts_BTLK: "engine" (R3), "trainer" (R2) or "none"
+    # Images: per row, the images feeding its placeholder spans (in order), and the [B, T] bool mask of
+    # those spans (never loss-masked). None / () for a text-only batch.
+    images_B: tuple[tuple[TokenImage, ...], ...] = ()
+    image_mask_BT: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -51,7 +55,10 @@ class TrainBatch:
             if x is None or not isinstance(x, torch.Tensor):
                 return x
             return x[idx] if isinstance(idx, slice) else x[torch.as_tensor(list(idx), dtype=torch.long)]
-        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in _SCALARS}
+        kw = {f: take(getattr(self, f)) for f in self.__dataclass_fields__ if f not in _SCALARS and f != "images_B"}
+        if self.images_B:
+            rows = range(self.num_seqs)[idx] if isinstance(idx, slice) else list(idx)
+            kw["images_B"] = tuple(self.images_B[i] for i in rows)
         return TrainBatch(domains=self.domains, step_tokens=self.step_tokens or int(self.attention_mask_BT.sum()),
                           step_seqs=self.step_seqs or self.num_seqs,
                           step_loss_tokens=self.step_loss_tokens or float(self.loss_mask_BT.sum()),
@@ -107,6 +114,8 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
     lmask = torch.zeros((B, T), dtype=torch.float32)
     rlp = torch.zeros((B, T), dtype=torch.float32)
     adv = torch.zeros((B, T), dtype=torch.float32)
+    any_images = any(e.images for e in episodes)
+    img_mask = torch.zeros((B, T), dtype=torch.bool) if any_images else None
     routes = None
     if all(e.routed_experts is not None for e in episodes):
         shapes = {np.asarray(e.routed_experts).shape[1:] for e in episodes}
@@ -121,6 +130,12 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
         attn[i, :n] = 1
         m = torch.as_tensor(e.loss_mask, dtype=torch.float32)
         m[0] = 0.0  # the first token has no prediction
+        for im in e.images:  # image patches are input, never a target
+            if im.start < 0 or im.start + im.length > n:
+                raise ValueError(f"collate: episode {e.task_id} has an image span [{im.start}, {im.start + im.length}) "
+                                 f"outside its {n} tokens")
+            img_mask[i, im.start:im.start + im.length] = True
+            m[im.start:im.start + im.length] = 0.0
         lmask[i, :n] = m
         rlp[i, :n] = torch.as_tensor(e.rollout_logprobs, dtype=torch.float32) * m
         adv[i, :n] = float(advantages_B[i]) * m
@@ -143,6 +158,8 @@ def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_i
         step_seqs=B,
         step_loss_tokens=float(lmask.sum()),
         routes_from="engine" if routes is not None else "none",
+        images_B=tuple(tuple(e.images) for e in episodes) if any_images else (),
+        image_mask_BT=img_mask,
     )
 
 

@@ -47,6 +47,7 @@ class TrainerSpec:
     routing_replay: str = "auto"  # auto | r3 | r2 | off
     freeze_router_bias: bool = True
     lora: LoraSpec = LoraSpec()  # rank 0: full fine-tuning; else only peft adapters train (rl/trainer/lora.py)
+    frozen_layers: int = 0  # the input embeddings and decoder layers [0, N) do not train (see freeze_bottom_layers)
 
 
 def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
@@ -104,6 +105,35 @@ def _cat_padded(chunks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, 0, 0, T - c.shape[1]), value=-1) for c in chunks])
 
 
+def decoder_layers(m: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layer stack of a causal LM (HF's `model.layers` convention; HybridMoe follows it), also
+    under a peft wrapper."""
+    base = m.get_base_model() if hasattr(m, "get_base_model") else m
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(base).__name__} has no model.layers stack; trainer.frozen_layers needs one")
+    return layers
+
+
+def freeze_bottom_layers(m: torch.nn.Module, n: int) -> int:
+    """Stop the input embeddings and the first `n` decoder layers from training; returns the number of
+    parameters frozen. Backward then stops at layer n (nothing below needs a gradient) and the optimizer
+    holds no moments for them: on CPU, training the top half costs about half the backward pass.
+    With tied input/output embeddings (SmolLM2) the LM head is the embedding matrix and freezes with it."""
+    if n <= 0:
+        return 0
+    layers = decoder_layers(m)
+    if n > len(layers):
+        raise ValueError(f"trainer.frozen_layers={n} but the model has {len(layers)} decoder layers")
+    frozen = [*m.get_input_embeddings().parameters(), *(p for layer in layers[:n] for p in layer.parameters())]
+    count = 0
+    for p in frozen:
+        if p.requires_grad:
+            p.requires_grad_(False)
+            count += p.numel()
+    return count
+
+
 def supports_routing_replay(m: torch.nn.Module) -> bool:
     """HybridMoe replays through its forward; the HF MoE families of model/families.py through router hooks."""
     fam = family_of(m.config)
@@ -141,6 +171,7 @@ class PolicyTrainer:
         self._hooks: dict[int, RouterHooks | None] = {id(module): router_hooks(module)}
         if hasattr(module.config, "freeze_expert_bias"):  # RL practice: the aux-free selection bias stays put
             module.config.freeze_expert_bias = spec.freeze_router_bias
+        self.frozen_params = freeze_bottom_layers(module, spec.frozen_layers)
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -188,6 +219,7 @@ class PolicyTrainer:
         # Logits only where a loss-masked target needs them (the prompt carries no loss).
         kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                   logits_to_keep=logits_window(batch.loss_mask_BT))
+        kw.update(self._image_inputs(batch))
         hooks = self._hooks_of(module)
         if router_logits and hooks is None:  # HF families: the router hooks record the logits
             kw["output_router_logits"] = True
@@ -205,6 +237,21 @@ class PolicyTrainer:
             return (module or self.engine)(**kw)
         finally:
             hooks.set_replay(None)
+
+    def _image_inputs(self, batch: TrainBatch) -> dict:
+        """`pixel_values` (one [C, H, W] per image, row-major, as the placeholders come) and `image_mask` of a
+        micro-batch with images; {} for a text-only one. Decoded here, per forward: a PNG of a few KB
+        decodes in well under a millisecond, and the batch stays bytes (cheap to shard and ship)."""
+        if batch.image_mask_BT is None or not bool(batch.image_mask_BT.any()):
+            return {}
+        from model.vision import VisionSpec, decode_image, pixel_tensor
+
+        spec = VisionSpec.from_config(self.module.config)
+        if spec is None:
+            raise ValueError("the batch carries images but the policy has no vision tower")
+        pixels = [pixel_tensor(decode_image(im.data, spec)) for row in batch.images_B for im in row]
+        dev = batch.input_ids_BT.device
+        return {"pixel_values": [p.to(dev) for p in pixels], "image_mask": batch.image_mask_BT.to(dev)}
 
     def _hooks_of(self, module: torch.nn.Module | None) -> RouterHooks | None:
         return self._hooks.get(id(module if module is not None else self.module))
@@ -302,10 +349,13 @@ class PolicyTrainer:
         metrics: dict[str, float] = {}
         n_mb = 0
         tele = self._moe_telemetry()
+        fwd_lp: list[torch.Tensor] = []  # pi_old's logprobs: this forward runs the policy that made them
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
             replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
             out = self._forward(mb, replay_BTLK=replay, router_logits=True)
             lp = token_logprobs(out.logits, mb.input_ids_BT)
+            if not padding:
+                fwd_lp.append(lp.detach())
             router_logits = self._router_logits(out)
             routes_LNK = self._routes_used_LNK(out, router_logits)
             if not padding and tele is not None and routes_LNK is not None and router_logits:
@@ -338,11 +388,17 @@ class PolicyTrainer:
         self.version += 1
         if tele is not None and not pad_only:
             metrics.update(tele.finish())  # per-domain expert load, router entropy, replay mismatch
-        if batch.old_logprobs_BT is not None and not pad_only:
-            from rl.telemetry import logprob_gap_metrics
+        if not pad_only and fwd_lp:
+            from rl.algos.kl import kl_per_token
+            from rl.observe.telemetry import logprob_gap_metrics
 
-            metrics.update(logprob_gap_metrics(batch.old_logprobs_BT, batch.rollout_logprobs_BT, batch.loss_mask_BT > 0,
-                                               batch.domain_ids_B, batch.domains))
+            old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else torch.cat(fwd_lp)
+            mask_BT = batch.loss_mask_BT > 0
+            metrics.update(logprob_gap_metrics(old_BT, batch.rollout_logprobs_BT, mask_BT, batch.domain_ids_B, batch.domains))
+            if batch.ref_logprobs_BT is not None:
+                # KL(pi_old || pi_ref) on the step's generated tokens, k3 (Schulman 2020), before the update.
+                kl_BT, _ = kl_per_token(old_BT, batch.ref_logprobs_BT, mask_BT, "k3")
+                metrics["kl/ref_mean"] = float(kl_BT.sum() / mask_BT.sum().clamp_min(1))
         metrics.update({
             "train/grad_norm": grad_norm,
             "train/lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.spec.lr,
@@ -397,7 +453,7 @@ class PolicyTrainer:
         n_exp = getattr(cfg, key, None) or getattr(cfg, "num_local_experts", None)
         if not n_exp:
             return None
-        from rl.moe_telemetry import MoeStepTelemetry, router_biases
+        from rl.observe.moe import MoeStepTelemetry, router_biases
 
         scoring = fam.scoring if fam is not None and fam.replay == "hooks" else getattr(cfg, "scoring_func", "softmax")
         return MoeStepTelemetry(int(n_exp), scoring=scoring, bias_LE=router_biases(self.module))

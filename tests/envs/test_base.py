@@ -247,6 +247,28 @@ def test_episode_wall_time_truncates_and_stops_running_tools():
     assert g.reward == -0.25
 
 
+def test_time_between_steps_is_the_policy_s_and_does_not_count():
+    # The policy takes 0.4 s to "generate" before each of three calls under a 0.5 s episode budget: the
+    # episode is not truncated (1.2 s of wall time, ~0 s of environment time) and grades 1.
+    d = Counter()
+
+    async def go():
+        env = ToolEnv(d)
+        await env.reset(make_task(target=2, episode_timeout_s=0.5, max_turns=20))
+        out = []
+        for m in [call("add", {"n": 1}), call("add", {"n": 1}), call("finish")]:
+            await asyncio.sleep(0.4)
+            out.append(await env.step(m))
+        g = await env.grade()
+        env.close()
+        return out, g
+
+    res, g = run(go())
+    assert not any(r.truncated for r in res) and res[-1].terminated
+    assert res[-1].info["elapsed_s"] >= 1.2 > 0.5 > res[-1].info["env_s"]
+    assert g.reward == 1.0
+
+
 def test_a_tool_call_cannot_outlive_the_episode_budget():
     d = Counter()
     _, res, _ = episode(d, make_task(episode_timeout_s=0.4, tool_timeout_s=10), [call("aslow", {"seconds": 5})])

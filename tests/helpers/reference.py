@@ -30,6 +30,8 @@ class ReferenceJob:
     perturb_scale: float = 0.05
     seed: int = 1234
     dtype: str = "float32"
+    # Per sequence: base64 PNGs feeding its `<|image|>` runs in order (HybridMoe; model/vision.py); () = none.
+    images: tuple[tuple[str, ...], ...] = ()
 
 
 def run_reference(job: ReferenceJob, timeout_s: float = 600.0) -> list[dict]:
@@ -75,6 +77,14 @@ def _reference_main(job_path: str) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job.dtype]
     model = AutoModelForCausalLM.from_pretrained(job.checkpoint, dtype=dtype)
     model.eval()
+    pixels: list = [None] * len(job.sequences)
+    if job.images:
+        import base64
+
+        from model.vision import VisionSpec, decode_image, pixel_tensor
+
+        spec = VisionSpec.from_config(model.config)
+        pixels = [[pixel_tensor(decode_image(base64.b64decode(b), spec)) for b in row] or None for row in job.images]
     gen = torch.Generator().manual_seed(job.seed)
     states = []
     for step in range(job.num_steps + 1):
@@ -86,9 +96,9 @@ def _reference_main(job_path: str) -> None:
                         p.add_((noise * job.perturb_scale * p.float().std()).to(p.dtype))
         logprobs = []
         with torch.no_grad():
-            for seq in job.sequences:
+            for seq, px in zip(job.sequences, pixels):
                 ids_1T = torch.tensor([seq])
-                logits_1TV = model(ids_1T).logits.float()
+                logits_1TV = (model(ids_1T, pixel_values=px) if px is not None else model(ids_1T)).logits.float()
                 lp_TV = torch.log_softmax(logits_1TV[0, :-1], dim=-1)
                 logprobs.append(lp_TV.gather(1, ids_1T[0, 1:, None])[:, 0].double().tolist())
             greedy = []

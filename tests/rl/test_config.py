@@ -67,29 +67,29 @@ def test_shipped_configs_validate():
 
 
 def test_cli_reports_config_error_before_starting():
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "train", "trainer.lrr=1"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "train", "trainer.lrr=1"], capture_output=True, text=True, cwd=REPO, timeout=180)
     assert r.returncode == 2
     assert "trainer.lrr" in r.stderr and "did you mean 'trainer.lr'" in r.stderr
 
 
 def test_cli_help_lists_subcommands():
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "--help"], capture_output=True, text=True, cwd=REPO, timeout=180)
     assert r.returncode == 0
     for sub in ["train", "eval", "serve", "envs", "export", "report"]:
         assert sub in r.stdout
     for sub in ["train", "eval", "serve", "export", "report"]:
-        r = subprocess.run([sys.executable, "-m", "rl.cli", sub, "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "rl.cli", sub, "--help"], capture_output=True, text=True, cwd=REPO, timeout=180)
         assert r.returncode == 0 and "usage" in r.stdout, sub
 
 
 def test_cluster_launcher_validates_and_builds_a_job_submit_command():
     r = subprocess.run([sys.executable, "scripts/ray_submit.py", "--address", "http://head:8265", "--print-only",
-                        "configs/quickstart.yaml", "trainer.steps=3"], capture_output=True, text=True, cwd=REPO, timeout=60)
+                        "configs/tiny.yaml", "trainer.steps=3"], capture_output=True, text=True, cwd=REPO, timeout=180)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ray job submit --address http://head:8265 --runtime-env-json")
     assert "vllm==" in r.stdout and "trainer.steps=3" in r.stdout
-    bad = subprocess.run([sys.executable, "scripts/ray_submit.py", "--address", "x", "--print-only", "configs/quickstart.yaml",
-                          "trainer.stepz=3"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    bad = subprocess.run([sys.executable, "scripts/ray_submit.py", "--address", "x", "--print-only", "configs/tiny.yaml",
+                          "trainer.stepz=3"], capture_output=True, text=True, cwd=REPO, timeout=180)
     assert bad.returncode != 0 and "did you mean 'trainer.steps'" in bad.stderr
 
 
@@ -156,8 +156,19 @@ def test_every_config_key_is_read_by_the_code():
 def test_dry_run_prints_the_config_and_every_role_s_placement(capsys):
     from rl.cli import main
 
-    assert main(["train", str(REPO / "configs" / "quickstart.yaml"), "algorithm.kl_coef=0.1", "--dry-run"]) == 0
+    assert main(["train", str(REPO / "configs" / "tiny.yaml"), "algorithm.kl_coef=0.1", "--dry-run"]) == 0
     out = capsys.readouterr().out
     placement = out.split("# placement\n", 1)[1].splitlines()
     assert [line.split(":", 1)[0] for line in placement] == ["ray", "trainer", "reference", "rollout", "environments"]
     assert "ZeRO-1" in placement[1] and "kl_coef: 0.1" in out
+
+
+def test_image_keys_are_checked_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"'rollout.max_images_per_prompt': value 9 must be in \[0, 8\]"):
+        load_config(None, ["rollout.max_images_per_prompt=9"])
+    with pytest.raises(ConfigError, match="images need the jointrl chat codec"):
+        load_config(None, ["rollout.max_images_per_prompt=2", "model.chat_codec=hf"])
+    with pytest.raises(ConfigError, match="'rollout.image_pixels'.*allowed values: 'real', 'blank'"):
+        load_config(None, ["rollout.image_pixels=grey"])
+    cfg = load_config(None, ["rollout.max_images_per_prompt=2", "rollout.image_pixels=blank"])
+    assert (cfg.rollout.max_images_per_prompt, cfg.rollout.image_pixels) == (2, "blank")

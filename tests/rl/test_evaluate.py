@@ -6,7 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from rl.evaluate import EvalRow, format_eval_table, paired_diff
+import json
+
+from rl.evaluate import EvalRow, format_eval_table, mean_ci, paired_diff, tasks_to_resolve, write_eval_json
 
 
 def _slow_paired(before, after):
@@ -50,3 +52,55 @@ def test_table_shows_paired_gain_ci_and_t():
     assert f"{p.mean:+.3f}" in row and f"{p.t:.2f}" in row and f"{p.ci_low:+.3f}" in row
     unpaired = format_eval_table([b], [EvalRow("terminal", "low", 4, 0.5, 0.5, 10.0, 1.0)]).splitlines()[-1]
     assert "(unpaired)" in unpaired and "+0.250" in unpaired
+
+
+def test_mean_ci_matches_scipy_t_interval():
+    from scipy import stats
+
+    x = np.array([0, 0.5, 1, 1, 0, 0.5, 1, 0, 0, 1], dtype=float)
+    lo, hi = mean_ci(x)
+    ref = stats.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=stats.sem(x))
+    assert (lo, hi) == pytest.approx(ref)
+    assert mean_ci([1.0]) == (-math.inf, math.inf)
+
+
+def test_tasks_to_resolve_reaches_the_asked_t():
+    # n = (t sd / gain)^2: sd 0.45, gain 0.1, t 3 -> 182.25 -> 183; at that n, gain / (sd / sqrt(n)) >= 3
+    n = tasks_to_resolve(0.45, 0.10, t=3.0)
+    assert n == 183
+    assert 0.10 / (0.45 / math.sqrt(n)) >= 3.0 > 0.10 / (0.45 / math.sqrt(n - 1))
+    with pytest.raises(ValueError, match="gain"):
+        tasks_to_resolve(0.4, 0.0)
+
+
+def test_eval_json_has_the_contract_keys_per_environment_id(tmp_path):
+    b = EvalRow("terminal", "low", 4, 0.25, 0.25, 10.0, 1.0, samples=2, task_success=(0.0, 0.5, 0.5, 0.0))
+    a = EvalRow("terminal", "low", 4, 0.625, 0.7, 10.0, 1.0, samples=2, task_success=(0.5, 1.0, 0.5, 0.5))
+    c = EvalRow("terminal", "low", 4, 0.25, 0.25, 10.0, 1.0, samples=2, task_success=(0.0, 0.5, 0.0, 0.5))
+    doc = write_eval_json(tmp_path / "eval.json", {"terminal": "terminal-basics-v0"}, [b], [a], [c], rl_seconds=300.0)
+    assert json.loads((tmp_path / "eval.json").read_text()) == doc
+    e = doc["domains"]["terminal-basics-v0"]
+    for k in ("n", "success_before", "success_after", "ci95_before", "ci95_after", "paired_t"):
+        assert k in e
+    p = paired_diff(b.task_success, a.task_success)
+    assert e["n"] == 4 and e["success_before"] == 0.25 and e["success_after"] == 0.625
+    assert e["paired_t"] == pytest.approx(p.t) and e["ci95_after"] == pytest.approx(list(mean_ci(a.task_success)))
+    assert e["success_sft_control"] == 0.25
+    assert doc["rl_seconds"] == 300.0 and e["points_per_10min"] == pytest.approx(100 * p.mean * 2)  # 5 min of RL
+    assert e["paired_t_rl_vs_sft_control"] == pytest.approx(paired_diff(c.task_success, a.task_success).t)
+    # an undefined t (zero spread) is written as null, never as Infinity (invalid JSON)
+    z = EvalRow("terminal", "low", 2, 0.0, 0.0, 1.0, 1.0, task_success=(0.0, 0.0))
+    o = EvalRow("terminal", "low", 2, 1.0, 1.0, 1.0, 1.0, task_success=(1.0, 1.0))
+    doc = write_eval_json(tmp_path / "e2.json", {}, [z], [o])
+    assert doc["domains"]["terminal"]["paired_t"] is None
+    assert "Infinity" not in (tmp_path / "e2.json").read_text()
+
+
+def test_table_shows_the_sft_control_arm():
+    b = EvalRow("terminal", "low", 4, 0.25, 0.25, 10.0, 1.0, task_success=(0.0, 0.0, 1.0, 0.0))
+    a = EvalRow("terminal", "low", 4, 0.75, 0.75, 10.0, 1.0, task_success=(1.0, 1.0, 1.0, 0.0))
+    c = EvalRow("terminal", "low", 4, 0.5, 0.5, 10.0, 1.0, task_success=(1.0, 0.0, 1.0, 0.0))
+    text = format_eval_table([b], [a], [c])
+    assert "sft ctl" in text.splitlines()[0]
+    q = paired_diff(c.task_success, a.task_success)
+    assert f"{q.mean:+.3f}" in text.splitlines()[-1] and f"{q.t:.2f}" in text.splitlines()[-1]

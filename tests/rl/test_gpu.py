@@ -75,7 +75,7 @@ def test_gpu_settings_that_fit_validate_and_dry_run_shows_the_gpus():
     from rl.config import load_config
     from rl.runtime import describe_placement
 
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
         "trainer.gpus_per_rank=1", "rollout.gpus_per_worker=2", "rollout.tensor_parallel_size=2", "rollout.num_workers=2",
         "trainer.sync_transport=nccl"])
     lines = dict(line.split(": ", 1) for line in describe_placement(cfg))
@@ -319,14 +319,14 @@ def test_two_step_rl_run_on_gpus(tmp_path):
     run_dir = Path(os.environ.get("JOINTRL_GPU_RUN_DIR") or tmp_path / "run")
     placement = (["trainer.gpus_per_rank=1", "rollout.gpus_per_worker=1", "trainer.sync_transport=nccl"] if GPUS >= 2 else
                  ["trainer.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5", "rollout.gpu_memory_utilization=0.3"])
-    cmd = [sys.executable, "-m", "rl.cli", "train", "configs/quickstart.yaml", "model.arch=small", "name=gpu-smoke",
+    cmd = [sys.executable, "-m", "rl.cli", "train", "configs/tiny.yaml", "model.arch=small", "name=gpu-smoke",
            f"run_dir={run_dir}", "trainer.resume=false", "trainer.steps=2", "trainer.sft_steps=4", "trainer.tasks_per_step=2",
            "trainer.checkpoint_every=0", "algorithm.group_size=4", "algorithm.dynamic_sampling=off",
            "envs.weights={terminal: 1.0}", "envs.max_turns=3", "rollout.max_new_tokens_per_turn=96", "eval.n_per_domain=2",
            "logging.wandb_mode=disabled", *placement]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    from rl.metrics import read_metrics
+    from rl.observe.sink import read_metrics
 
     steps = [m for m in read_metrics(run_dir) if "sync/seconds" in m]
     assert len(steps) >= 2, steps

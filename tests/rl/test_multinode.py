@@ -106,7 +106,7 @@ def _overrides(model_dir: Path, run_dir: Path) -> list[str]:
 
 
 def _rl_rows(run_dir: Path) -> list[dict]:
-    from rl.metrics import read_metrics
+    from rl.observe.sink import read_metrics
 
     return [r for r in read_metrics(run_dir) if "reward/mean/terminal" in r]
 

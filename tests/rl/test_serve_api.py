@@ -65,7 +65,7 @@ def apps(tmp_path_factory):
 
     def sibling(**kw) -> ChatService:
         s = replace(settings, **kw)
-        return ChatService(main.engine, main.tokenizer, s, main.model_names, s.max_model_len)
+        return ChatService(main.engine, main.codec, s, main.model_names, s.max_model_len)
 
     out = {
         "open": _start(main),
@@ -128,7 +128,7 @@ def test_anthropic_client_multi_turn_with_thinking_and_tools(apps, budget_tokens
         assert rec.request["thinking_tier"] == tier
         assert rec.request["thinking_budget_tokens"] == (None if budgets[tier] < 0 else budgets[tier])
         # the prompt is the chat format's rendering of the translated history, thinking included
-        req = parse_messages_request({**kw, "tools": TOOLS}, app.service.settings, app.service.model_names)
+        req = parse_messages_request({**kw, "tools": TOOLS}, app.service.settings, app.service.model_names, app.service.codec)
         assert [m.role for m in req.messages] == ["system", "user", "assistant", "tool", "user"]
         want = app.service.tokenizer.encode(chat.render(req.messages, list(req.tools), add_generation_prompt=True),
                                             add_special_tokens=False)

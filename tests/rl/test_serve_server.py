@@ -18,7 +18,8 @@ import pytest
 
 from model import chat
 from rl.config import RolloutSection
-from rl.serve import ServeSettings, parse_chat_request
+from rl.rollout.codec import make_codec
+from rl.serve import ServeCodec, ServeSettings, parse_chat_request
 from tests.helpers.checkpoints import build_test_checkpoint
 from tests.rl.serve_fixture import Server, running_server
 
@@ -42,6 +43,7 @@ SEED_MESSAGES = [
 ]
 
 
+CODEC = ServeCodec(make_codec("jointrl", None))  # what `jointrl serve` picks for a checkpoint with the shipped tokenizer
 SEED_NAMES = ("ultra-moe-model", "sparse-moe-2.8t")  # the model names the seed articles' examples use
 
 
@@ -61,7 +63,7 @@ def _extra(obj, key):
 
 def _check_record_matches(server: Server, rec, resp, messages, tools):
     """The record holds the exact prompt ids, the generated ids and a consistent loss mask / logprobs."""
-    req = parse_chat_request({"model": server.model, "messages": messages, "tools": tools}, ServeSettings(), [server.model])
+    req = parse_chat_request({"model": server.model, "messages": messages, "tools": tools}, ServeSettings(), [server.model], CODEC)
     want_prompt = server.tok.encode(chat.render(req.messages, tools, add_generation_prompt=True), add_special_tokens=False)
     assert list(rec.prompt_token_ids) == want_prompt
     assert resp.usage.prompt_tokens == len(want_prompt)

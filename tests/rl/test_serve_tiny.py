@@ -44,3 +44,56 @@ def test_tiny_serves_the_seed_conversation_and_budgets(server):
     ids = list(server.record(resp.id).choices[0].completion_token_ids)
     assert chat.THINK_END_ID in ids and ids.index(chat.THINK_END_ID) <= LOW
     assert resp.usage.completion_tokens_details.reasoning_tokens == ids.index(chat.THINK_END_ID)
+
+
+def _data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_images_reach_the_model_on_both_routes_and_bad_ones_are_4xx(server):
+    import base64
+
+    import httpx
+
+    from tests.helpers.image_env import png
+
+    a, b = png(32, 32, 1), png(64, 32, 2)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                         {"type": "image_url", "image_url": {"url": _data_url(a)}}]}]
+    r1 = server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True)
+    ids1 = server.record(r1.id).prompt_token_ids
+    assert ids1.count(chat.IMAGE_ID) == 4  # 32 x 32 at patch 16: one placeholder per patch
+    msgs[0]["content"][1]["image_url"]["url"] = _data_url(png(32, 32, 3))
+    r2 = server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True)
+    assert server.record(r2.id).prompt_token_ids == ids1  # same tokens, other pixels ...
+    lp = lambda r: [t.logprob for t in r.choices[0].logprobs.content]  # noqa: E731
+    assert lp(r1) != lp(r2)  # ... and the model saw the difference
+
+    # Anthropic: an image block in a user turn and one in a tool result
+    body = {"model": "tiny", "max_tokens": 4, "tools": [{"name": "look", "input_schema": {"type": "object", "properties": {}}}],
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                                   "data": base64.b64encode(a).decode()}},
+                                                      {"type": "text", "text": "Look closer."}]},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(b).decode()}}]}]}]}
+    r = httpx.post(f"{server.base}/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert server.record(r.json()["id"]).prompt_token_ids.count(chat.IMAGE_ID) == 4 + 8
+
+    def post(content):
+        return httpx.post(f"{server.base}/v1/chat/completions", timeout=60,
+                          json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+
+    for content, code in (
+        ([{"type": "image_url", "image_url": {"url": _data_url(png(30, 30))}}], "invalid_image"),  # not a multiple of 16
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"\x89PNGjunk").decode()}}], "invalid_image"),
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "invalid_image"),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "image_url_unsupported"),
+        ([{"type": "image_url", "image_url": {"url": _data_url(png(16, 16, i))}} for i in range(5)], "too_many_images"),
+    ):
+        r = post(content)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+    assert post("still fine?").status_code == 200  # the server goes on after every refusal

@@ -1,7 +1,9 @@
 """The server's pure parts, without an engine: request validation, token reuse, reply building, streaming, records.
 
-Uses the shipped tokenizer (model/tokenizer) and the real chat format; expected values are built
-from the chat format's own renderer or from slow, obvious references written here.
+Uses the `jointrl` chat codec (the shipped tokenizer and model/chat.py's format, as `jointrl serve`
+picks it for the project's checkpoints); expected values are built from the chat format's own
+renderer or from slow, obvious references written here. The `hf` codec's serving view is tested in
+test_serve_codec.py.
 """
 from __future__ import annotations
 
@@ -13,17 +15,19 @@ import pytest
 from jointrl.records import Message, ToolCall
 from model import chat
 from rl.config import RolloutSection
-from rl.serve import (ApiError, ChatRequest, Completion, ServeRecord, ServeSettings, TokenHistory, ToolChoice, Recorder,
+from rl.rollout.codec import make_codec
+from rl.serve import (ApiError, ChatRequest, Completion, ServeCodec, ServeRecord, ServeSettings, TokenHistory, ToolChoice, Recorder,
                       completion_json, encode_prompt, finish_choice, parse_chat_request, read_records, recorded_sequence,
                       stream_chunks, token_text_ends)
 
 NAMES = ("tiny-test", "/path/to/tiny-test")
 SETTINGS = ServeSettings()
+CODEC = ServeCodec(make_codec("jointrl", None))
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return chat.load_tokenizer()
+    return CODEC.tokenizer
 
 
 def body(**kw):
@@ -33,7 +37,7 @@ def body(**kw):
 
 
 def req(**kw) -> ChatRequest:
-    return parse_chat_request(body(**kw), SETTINGS, NAMES)
+    return parse_chat_request(body(**kw), SETTINGS, NAMES, CODEC)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -83,7 +87,7 @@ INVALID = [
 @pytest.mark.parametrize("name,b,status,param", INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_requests_name_the_problem(name, b, status, param):
     with pytest.raises(ApiError) as ei:
-        parse_chat_request(b, SETTINGS, NAMES)
+        parse_chat_request(b, SETTINGS, NAMES, CODEC)
     e = ei.value
     assert e.status == status
     assert e.param == param
@@ -102,7 +106,7 @@ def test_valid_request_fields():
     assert (r.max_tokens, r.stop, r.seed, r.n, r.temperature) == (7, ("END",), 3, 2, 0.0)
     # no tools -> tool_choice none; model may be omitted; the path alias is accepted
     assert req().tool_choice == ToolChoice("none")
-    assert parse_chat_request({"messages": [{"role": "user", "content": "x"}]}, SETTINGS, NAMES).model == "tiny-test"
+    assert parse_chat_request({"messages": [{"role": "user", "content": "x"}]}, SETTINGS, NAMES, CODEC).model == "tiny-test"
     assert req(model="/path/to/tiny-test").model == "/path/to/tiny-test"
 
 
@@ -115,7 +119,7 @@ def test_thinking_tiers_map_to_config_budgets():
     assert req().tier == SETTINGS.default_tier
     assert req(thinking_budget=5).thinking_budget == 5 and req(thinking_budget=5).tier is None
     custom = ServeSettings(thinking_budgets={"low": 3, "high": 9, "max": 40})
-    assert parse_chat_request(body(thinking_budget="max"), custom, NAMES).thinking_budget == 40
+    assert parse_chat_request(body(thinking_budget="max"), custom, NAMES, CODEC).thinking_budget == 40
 
 
 def test_user_and_tool_text_cannot_forge_turns():
@@ -143,46 +147,52 @@ def test_seed_example_conversation_parses():
 # ----------------------------------------------------------------------------- token reuse
 def test_token_reuse_keeps_sampled_ids(tok):
     """A follow-up prompt reuses the ids the engine produced, even when they differ from re-tokenisation."""
-    hist = TokenHistory(16)
+    hist = TokenHistory(16, (chat.IM_END_ID,))
     msgs = [Message(role="user", content="list files")]
-    text1 = chat.render(msgs, TOOLS, add_generation_prompt=True)
-    p1 = encode_prompt(text1, tok, hist)
-    assert p1.reused == 0 and p1.token_ids == tuple(tok.encode(text1, add_special_tokens=False))
+    rendered1 = CODEC.prompt_ids(msgs, TOOLS)
+    assert rendered1 == tok.encode(chat.render(msgs, TOOLS, add_generation_prompt=True), add_special_tokens=False)
+    p1 = encode_prompt(rendered1, hist)
+    assert p1.reused == 0 and p1.token_ids == tuple(rendered1)
     answer = Message(role="assistant", content="", reasoning="use ls", tool_calls=(ToolCall("call_0_0", "search_web", '{"query": "ls"}'),))
+    canon = CODEC.completion_ids(msgs, answer, TOOLS)
     gen_text = chat.render_completion(answer)
+    assert tok.decode(canon, skip_special_tokens=False) == gen_text
     # A sampled tokenisation that decodes to the same text but is not what encode() gives: one
     # multi-character token replaced by its characters, one token each.
-    canon = tok.encode(gen_text, add_special_tokens=False)
     j = next(i for i, t in enumerate(canon) if len(tok.decode([t])) >= 2 and all(len(tok.encode(c, add_special_tokens=False)) == 1 for c in tok.decode([t])))
     sampled = canon[:j] + [tok.encode(c, add_special_tokens=False)[0] for c in tok.decode([canon[j]])] + canon[j + 1:]
     assert sampled != canon and tok.decode(sampled, skip_special_tokens=False) == gen_text
-    hist.remember(text1 + gen_text, p1.token_ids + tuple(sampled), ("rec1", 0))
+    hist.remember(rendered1 + canon, p1.token_ids + tuple(sampled), ("rec1", 0))
 
     msgs2 = msgs + [answer, Message(role="tool", content="a.txt", tool_call_id="call_0_0")]
-    text2 = chat.render(msgs2, TOOLS, add_generation_prompt=True)
-    p2 = encode_prompt(text2, tok, hist)
+    rendered2 = CODEC.prompt_ids(msgs2, TOOLS)
+    p2 = encode_prompt(rendered2, hist)
     assert p2.continues == ("rec1", 0)
     assert p2.reused == len(p1.token_ids) + len(sampled)
     assert p2.token_ids[: p2.reused] == p1.token_ids + tuple(sampled)
-    assert tok.decode(list(p2.token_ids), skip_special_tokens=False) == text2
-    # the rest is tokenised alone, which equals the tail of tokenising the whole (format guarantee)
-    whole = tok.encode(text2, add_special_tokens=False)
-    assert list(p2.token_ids[p2.reused:]) == whole[len(canon) + len(p1.token_ids):]
+    assert tok.decode(list(p2.token_ids), skip_special_tokens=False) == chat.render(msgs2, TOOLS, add_generation_prompt=True)
+    # the rest is the codec's own rendering after the reused head
+    assert list(p2.token_ids[p2.reused:]) == rendered2[len(rendered1) + len(canon):]
     # a different history (reasoning dropped by the client) does not reuse
     dropped = msgs + [Message(role="assistant", tool_calls=answer.tool_calls), msgs2[-1]]
-    p3 = encode_prompt(chat.render(dropped, TOOLS, add_generation_prompt=True), tok, hist)
+    p3 = encode_prompt(CODEC.prompt_ids(dropped, TOOLS), hist)
     assert p3.continues is None and p3.reused == 0
 
 
-def test_token_history_is_bounded_lru():
-    h = TokenHistory(2)
+def test_token_history_is_bounded_lru_and_keys_end_at_a_turn_end():
+    end = 3
+    h = TokenHistory(2, (end,))
     for i in range(3):
-        h.remember(f"t{i}{chat.IM_END_TOKEN}", [i], (f"r{i}", 0))
+        h.remember([10 + i, end], [100 + i], (f"r{i}", 0))
     assert len(h) == 2
-    assert h.longest_prefix(f"t0{chat.IM_END_TOKEN}\nmore") is None
-    assert h.longest_prefix(f"t2{chat.IM_END_TOKEN}\nmore") == (len(f"t2{chat.IM_END_TOKEN}"), (2,), ("r2", 0))
-    h.remember("no end", [9], ("x", 0))  # not at a turn boundary: ignored
+    assert h.longest_prefix([10, end, 7]) is None  # evicted
+    assert h.longest_prefix([12, end, 7, 8]) == (2, (102,), ("r2", 0))
+    assert h.longest_prefix([12, 7, end]) is None  # same ids, but not cut at the stored turn end
+    h.remember([1, 2], [9], ("x", 0))  # not at a turn boundary: ignored
     assert len(h) == 2
+    # the longest stored head wins
+    h.remember([12, end, 7, end], [5, 5, 5], ("r3", 0))
+    assert h.longest_prefix([12, end, 7, end, 9]) == (4, (5, 5, 5), ("r3", 0))
 
 
 # ----------------------------------------------------------------------------- replies
@@ -214,7 +224,7 @@ def comp_of(tok, text, finish="stop", forced_from=None):
 def test_tool_call_reply(tok):
     m = Message(role="assistant", content="Let me look.", reasoning="Need CPU data.",
                 tool_calls=(ToolCall("call_1_0", "get_cpu_usage", '{"window": "1h"}'), ToolCall("call_1_1", "search_web", '{"query": "cpu"}')))
-    c = finish_choice(0, comp_of(tok, chat.render_completion(m)), tok, req(tools=TOOLS), turn=1)
+    c = finish_choice(0, comp_of(tok, chat.render_completion(m)), CODEC, req(tools=TOOLS), turn=1)
     assert c.message == m and c.finish_reason == "tool_calls" and c.parse_errors == ()
     ids = c.completion.token_ids
     assert c.reasoning_tokens == ids.index(chat.THINK_END_ID)
@@ -228,7 +238,7 @@ def test_tool_call_reply(tok):
 
 
 def test_length_and_unclosed_thinking(tok):
-    c = finish_choice(0, comp_of(tok, "\nstill thinking about it", finish="length"), tok, req(), turn=0)
+    c = finish_choice(0, comp_of(tok, "\nstill thinking about it", finish="length"), CODEC, req(), turn=0)
     assert c.finish_reason == "length"
     assert c.message.reasoning == "still thinking about it" and c.message.content == ""
     assert c.reasoning_tokens == len(c.completion.token_ids)
@@ -237,7 +247,7 @@ def test_length_and_unclosed_thinking(tok):
 
 def test_stop_string_cuts_reply_and_ids(tok):
     text = "\nr\n</think>\n\nfirst part STOP second part<|im_end|>"
-    c = finish_choice(0, comp_of(tok, text), tok, req(stop=["STOP", "never"]), turn=0)
+    c = finish_choice(0, comp_of(tok, text), CODEC, req(stop=["STOP", "never"]), turn=0)
     assert c.message.content == "first part " and c.finish_reason == "stop"
     kept = tok.decode(list(c.completion.token_ids), skip_special_tokens=False)
     assert "STOP" in kept and "second" not in kept  # ids end with the token completing the stop string
@@ -246,7 +256,7 @@ def test_stop_string_cuts_reply_and_ids(tok):
 
 def test_tool_choice_none_drops_the_opened_call(tok):
     text = "\nr\n</think>\n\nanswer\n<tool_call>"
-    c = finish_choice(0, comp_of(tok, text), tok, req(tools=TOOLS, tool_choice="none"), turn=0)
+    c = finish_choice(0, comp_of(tok, text), CODEC, req(tools=TOOLS, tool_choice="none"), turn=0)
     assert c.completion.token_ids[-1] == chat.TOOL_CALL_START_ID
     assert c.message.content == "answer" and not c.message.tool_calls and c.finish_reason == "stop"
 
@@ -259,7 +269,7 @@ def test_stream_chunks_join_to_the_message(tok):
         content = " ".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
         calls = tuple(ToolCall(f"call_2_{i}", "search_web", json.dumps({"query": rng.choice(words)}, ensure_ascii=False)) for i in range(rng.randint(0, 2)))
         m = Message(role="assistant", content=content.strip(), reasoning=reasoning.strip() if reasoning else None, tool_calls=calls)
-        c = finish_choice(trial % 3, comp_of(tok, chat.render_completion(m)), tok, req(tools=TOOLS), turn=2)
+        c = finish_choice(trial % 3, comp_of(tok, chat.render_completion(m)), CODEC, req(tools=TOOLS), turn=2)
         chunks = list(stream_chunks("id", 1, "tiny-test", 5, [c], include_usage=True))
         deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
         assert deltas[0] == {"role": "assistant", "content": ""}
@@ -348,7 +358,7 @@ def test_concurrent_streams_share_one_engine_add_and_errors_stay_local(tok):
     from rl.serve import ChatService
 
     eng = _FakeStreamEngine(tok)
-    svc = ChatService(eng, tok, SETTINGS, NAMES, 2048)
+    svc = ChatService(eng, CODEC, SETTINGS, NAMES, 2048)
 
     async def run(max_tokens):
         return await asyncio.gather(*(svc.complete(svc.prepare(req(max_tokens=m))) for m in max_tokens), return_exceptions=True)
@@ -370,7 +380,7 @@ def test_closing_a_stream_aborts_its_engine_request(tok):
     from rl.serve import ChatService, TextDelta
 
     eng = _FakeStreamEngine(tok, finish=False)
-    svc = ChatService(eng, tok, SETTINGS, NAMES, 2048)
+    svc = ChatService(eng, CODEC, SETTINGS, NAMES, 2048)
 
     async def main():
         prep = svc.prepare(req(max_tokens=50, stream=True))
@@ -388,22 +398,25 @@ def test_closing_a_stream_aborts_its_engine_request(tok):
 # ----------------------------------------------------------------------------- model argument
 def test_bad_model_argument_is_a_clear_error(tmp_path, capsys):
     from rl.cli import main as cli_main
-    from rl.serve import ServeError, prepare_model
+    from rl.serve import ServeError, build_codec, prepare_model
 
     with pytest.raises(ServeError, match="neither a shipped model config"):
         prepare_model(str(tmp_path / "nope"), SETTINGS)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
-    with pytest.raises(ServeError, match="tokenizer"):
-        prepare_model(str(tmp_path), SETTINGS)
     assert cli_main(["serve", str(tmp_path / "nope"), "--port", "1"]) == 2
     assert "neither a shipped model config" in capsys.readouterr().err
+    # A checkpoint without tokenizer files speaks the project format with the shipped tokenizer, as in training;
+    # asking for its own template instead is refused, naming why.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
+    prepared = prepare_model(str(tmp_path), SETTINGS)
+    codec = build_codec(prepared.path, SETTINGS)
+    assert codec.is_project_format and codec.tokenizer.convert_tokens_to_ids(chat.IM_END_TOKEN) == chat.IM_END_ID
+    with pytest.raises(ServeError, match="hf chat codec"):
+        build_codec(prepared.path, ServeSettings(chat_codec="hf"))
 
 
 # ----------------------------------------------------------------------------- incremental fields
 def test_streamed_fields_are_prefixes_that_join_to_the_parsed_message(tok):
     """Feeding a completion token by token, the fields reported final only grow and end as the parser's fields."""
-    from rl.serve.core import DEFAULT_CODEC
-
     rng = random.Random(1)
     words = ["alpha", "β", "数据", "😀", "x=1;", "\n", "  ", "end.", "STOP", "</", "<"]
     for trial in range(40):
@@ -418,7 +431,7 @@ def test_streamed_fields_are_prefixes_that_join_to_the_parsed_message(tok):
         sent_r, sent_c = "", ""
         for k in range(1, len(ids) + 1):
             partial = tok.decode(ids[:k], skip_special_tokens=False).rstrip("\ufffd")
-            f = DEFAULT_CODEC.stream_fields(partial, stops)
+            f = CODEC.stream_fields(partial, stops, tools=True)
             assert f.reasoning.startswith(sent_r) and f.content.startswith(sent_c), (text, partial)
             sent_r, sent_c = f.reasoning, f.content
         full = tok.decode(ids, skip_special_tokens=False)
@@ -440,7 +453,7 @@ def test_anthropic_request_translates_to_the_chat_history(tok):
                                                            {"type": "tool_use", "id": "toolu_9", "name": "get_cpu_usage", "input": {"w": 1}}]},
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [{"type": "text", "text": "85%"}]},
                                                       {"type": "text", "text": "and now?"}]}]}
-    r = parse_messages_request(body, SETTINGS, NAMES)
+    r = parse_messages_request(body, SETTINGS, NAMES, CODEC)
     assert [m.role for m in r.messages] == ["system", "user", "assistant", "tool", "user"]
     a = r.messages[2]
     assert a.reasoning == "need data" and a.tool_calls == (ToolCall("toolu_9", "get_cpu_usage", '{"w": 1}'),)
@@ -459,7 +472,7 @@ def test_anthropic_thinking_maps_to_the_nearest_tier():
     assert [nearest_tier(n, s) for n in (1, 64, 127, 129, 256, 700, 750, 1024, 100000)] == \
         ["low", "low", "low", "high", "high", "high", "max", "max", "max"]
     msgs = [{"role": "user", "content": "x"}]
-    parse = lambda **kw: parse_messages_request({"model": "tiny-test", "max_tokens": 5, "messages": msgs, **kw}, s, NAMES)
+    parse = lambda **kw: parse_messages_request({"model": "tiny-test", "max_tokens": 5, "messages": msgs, **kw}, s, NAMES, CODEC)
     assert (parse(thinking={"type": "enabled", "budget_tokens": 1024}).tier, parse().tier) == ("max", s.default_tier)
     assert parse(thinking={"type": "disabled"}).thinking_budget == 0
     assert parse(thinking_budget="low").thinking_budget == 64
@@ -492,23 +505,40 @@ def test_every_serve_flag_sets_its_setting(monkeypatch):
     argv = ["m", "--max-model-len", "512", "--dtype", "bfloat16", "--kv-cache-gib", "2.5", "--no-enforce-eager", "--seed", "3",
             "--thinking-budgets", "low=8,max=100", "--default-tier", "low", "--max-n", "2", "--served-name", "a", "--served-name", "b",
             "--token-cache-entries", "7", "--cache-dir", "/tmp/x", "--max-body-bytes", "99", "--max-messages", "5",
-            "--max-tokens-limit", "11", "--max-running", "3", "--max-queue", "0"]
+            "--max-tokens-limit", "11", "--max-running", "3", "--max-queue", "0", "--chat-codec", "hf", "--tool-parser", "qwen3_coder",
+            "--reasoning-parser", "deepseek_r1", "--max-images", "2"]
     s = from_args(p.parse_args(argv)).settings
     want = dict(max_model_len=512, dtype="bfloat16", kv_cache_gib=2.5, enforce_eager=False, seed=3,
                 thinking_budgets={"low": 8, "high": RolloutSection().thinking_budgets["high"], "max": 100}, default_tier="low", max_n=2,
                 served_names=("a", "b"), token_cache_entries=7, cache_dir="/tmp/x", max_body_bytes=99, max_messages=5,
-                max_tokens_limit=11, max_running=3, max_queue=0)
+                max_tokens_limit=11, max_running=3, max_queue=0, chat_codec="hf", tool_parser="qwen3_coder", reasoning_parser="deepseek_r1",
+                max_images=2)
     assert set(want) == {f.name for f in fields(ServeSettings)}  # a new setting needs a flag (and a line here)
     assert {k: getattr(s, k) for k in want} == want
     assert from_args(p.parse_args(["m"])).settings == ServeSettings()
-    # the engine gets the engine settings
+    # the chat-format defaults are training's (rl.config.ModelSection), declared there once
+    from rl.config import ModelSection
+
+    m = ModelSection()
+    assert (ServeSettings().chat_codec, ServeSettings().tool_parser, ServeSettings().reasoning_parser) == \
+        (m.chat_codec, m.tool_parser, m.reasoning_parser)
+    # names are checked against the codec registry and vLLM's parser registries, listing what is allowed
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--chat-codec", "mine"])
+    with pytest.raises(ServeError, match=r"--chat-codec 'mine' is not allowed; allowed values: auto, hf, jointrl"):
+        ServeSettings(chat_codec="mine")
+    for flag, field, kind_of in (("--tool-parser", "tool_parser", "hermes"), ("--reasoning-parser", "reasoning_parser", "deepseek_r1")):
+        with pytest.raises(ServeError, match=rf"{flag}: 'nope' is not a registered vLLM \w+ parser; allowed values: .*{kind_of}"):
+            from_args(p.parse_args(["m", flag, "nope"]))
+    # the engine gets the engine settings, and the codec's thinking markers (none for a format without them)
     from pathlib import Path
 
     from rl.serve.app import PreparedModel, engine_config
 
     monkeypatch.setattr("rl.rollout.engine.EngineConfig.__post_init__", lambda self: None)
-    cfg = engine_config(PreparedModel(Path("/nowhere"), ("a",), "bfloat16", False), s)
+    cfg = engine_config(PreparedModel(Path("/nowhere"), ("a",), "bfloat16", False), s, CODEC)
     assert (cfg.max_model_len, cfg.kv_cache_gib, cfg.enforce_eager, cfg.seed, cfg.max_num_seqs, cfg.dtype) == (512, 2.5, False, 3, 3, "bfloat16")
+    assert (cfg.reasoning_start, cfg.reasoning_end, cfg.tokenizer) == (chat.THINK_START_TOKEN, chat.THINK_END_TOKEN, str(chat.TOKENIZER_DIR))
     # a non-loopback address needs a key; the env var gives one
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with pytest.raises(ServeError, match="API key"):

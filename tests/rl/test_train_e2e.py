@@ -35,12 +35,18 @@ def _cfg(model_dir: Path, run_dir: Path, steps: int):
     ])
 
 
+def _niceness() -> int:
+    import os
+
+    return os.nice(0)
+
+
 def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     import shutil
 
     import ray
 
-    from rl.metrics import read_metrics
+    from rl.observe.sink import read_metrics
     from rl.runtime import Runtime
     from rl.train import run
 
@@ -48,6 +54,8 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     cfg = _cfg(tiny_qwen_moe, run_dir, steps=3)
     rt = Runtime.start(cfg)
     try:
+        # A run's workers start at niceness 0 (rl/runtime.py), not Ray's default 15.
+        assert ray.get(ray.remote(num_cpus=0)(_niceness).remote()) == 0
         w0 = ray.get(rt.trainer.export_weights(1024.0)[0])
         # Kill the rollout worker after the first RL step: the dispatcher must restart it with the latest weights.
         orig_rollout, orig_checkpoint = rt.rollout, rt.checkpoint

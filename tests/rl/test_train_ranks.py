@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_two_ranks_zero3_async_ppo_with_bounded_staleness(tmp_path):
     from rl.config import load_config
-    from rl.metrics import read_metrics
+    from rl.observe.sink import read_metrics
     from rl.runtime import Runtime
     from rl.train import run
     from tests.helpers.checkpoints import build_test_checkpoint

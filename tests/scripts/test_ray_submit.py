@@ -147,7 +147,7 @@ def test_ray_start_head_then_ray_submit_runs_a_short_job(tmp_path):
     assert f"ray_submit: job {sid} succeeded" in r.stderr
     # The job's logs came back twice: streamed by the launcher, and from `ray job logs`.
     for text in (r.stdout, logs):
-        assert "held-out evaluation: before RL | after RL" in text
+        assert "held-out evaluation: before RL (after SFT) | after RL" in text
     assert f"Job '{sid}' succeeded" in r.stdout
     # The run directory is where the launcher said: metrics of the one RL step and its checkpoint.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -242,3 +242,36 @@ def test_every_family_reference_and_alternative_score_one_in_the_sandbox(backend
     for code in (t.private["reference_code"], FAMILIES[name].alternative(t.private["params"])):
         tr, _, _ = play(backend, t, [ToolInvocation("submit", {"code": code})])
         assert tr.grade.error is None and tr.grade.reward == 1.0, tr.render()
+
+
+def test_render_view_draws_the_agents_current_solid(backend, tasks):
+    from model.vision import VisionSpec, decode_image
+
+    t = tasks["plate_holes"]
+    calls = [
+        ToolInvocation("render_view", {"view": "iso"}),  # nothing built yet
+        ToolInvocation("run_cad", {"code": "result = cq.Workplane().box(10, 20, 30)"}),
+        ToolInvocation("render_view", {"view": "top"}),
+        ToolInvocation("render_view", {"view": "iso"}),
+        ToolInvocation("render_view", {"view": "sideways"}),
+        ToolInvocation("run_cad", {"code": "result = 1 / 0"}),  # a failed run leaves the current solid as it was
+        ToolInvocation("render_view", {"view": "top"}),
+        ToolInvocation("submit", {"code": ""}),
+    ]
+    tr, _, _ = play(backend, t, calls)
+    outs = [m for m in tr.messages if m.role == "tool"]
+    assert "no solid yet" in outs[0].content and outs[0].images == ()
+    spec = VisionSpec(image_token_id=10, patch_size=16, channels=3)
+    top, iso = (decode_image(outs[i].images[0], spec) for i in (2, 3))
+    assert (top.width, top.height) == (iso.width, iso.height) == (128, 128)
+    assert "top view" in outs[2].content and outs[2].images != outs[3].images
+    # the 10 x 20 box seen from the top is a 1:2 (x:y) rectangle of shaded part colour
+    import numpy as np
+
+    px = top.pixels_HWC.astype(int)
+    part = px[..., 2] - px[..., 0] > 15  # the shaded part colour is bluish; white, edges and the X / Y axes are not
+    rows, cols = part.any(1).nonzero()[0], part.any(0).nonzero()[0]
+    assert 1.7 < (np.ptp(rows) + 1) / (np.ptp(cols) + 1) < 2.3
+    assert "view must be one of top, front, right, iso" in outs[4].content
+    assert outs[6].images == outs[2].images
+    assert tr.grade.metrics["malformed_calls"] == 1.0  # the unknown view, counted like any bad argument

@@ -166,18 +166,27 @@ def test_server_restart_loses_nothing_poison_is_dead_lettered_cancel_works(tiny_
     db = f"sqlite:///{tmp_path}/jobs.sqlite"
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     r.delete("jointrl:jobs", "jointrl:jobs:dead")
+    # An API-only server (no workers) takes the jobs: the cancel below cannot race a worker, and the
+    # queued jobs must survive that server's clean stop.
+    api_only = JobsServer(tiny_ckpt, db, redis_url, policy_url, tmp_path / "api.log", "--workers", "0", "--max-attempts", "2")
+    api_only.start()
+    try:
+        assert httpx.get(f"{api_only.url}/v1/jobs/workers", timeout=10).json() == []
+        ids = [_submit(api_only.url, index=i) for i in range(12)]
+        poison = _submit(api_only.url, split="heldout", index=10**6)  # no such task: every attempt raises
+        bad = httpx.post(f"{api_only.url}/v1/jobs", json={"env": "nosuch-v0"}, timeout=10)
+        assert bad.status_code == 422 and "nosuch-v0" in bad.text
+        cli = [sys.executable, "-m", "rl.cli", "jobs"]
+        out = subprocess.run([*cli, "submit", ENV, "--index", "40", "--url", api_only.url], capture_output=True, text=True, timeout=60)
+        victim = json.loads(out.stdout)["id"]
+        out = subprocess.run([*cli, "cancel", victim, "--url", api_only.url], capture_output=True, text=True, timeout=60)
+        assert json.loads(out.stdout)["status"] == "cancelled"
+        assert {httpx.get(f"{api_only.url}/v1/jobs/{j}", timeout=10).json()["status"] for j in ids} == {"queued"}
+    finally:
+        api_only.stop()
     srv = JobsServer(tiny_ckpt, db, redis_url, policy_url, tmp_path / "server.log", "--workers", "2", "--max-attempts", "2")
     srv.start()
     try:
-        ids = [_submit(srv.url, index=i) for i in range(6)]
-        poison = _submit(srv.url, split="heldout", index=10**6)  # no such task: every attempt raises
-        bad = httpx.post(f"{srv.url}/v1/jobs", json={"env": "nosuch-v0"}, timeout=10)
-        assert bad.status_code == 422 and "nosuch-v0" in bad.text
-        cli = [sys.executable, "-m", "rl.cli", "jobs"]
-        out = subprocess.run([*cli, "submit", ENV, "--index", "40", "--url", srv.url], capture_output=True, text=True, timeout=60)
-        victim = json.loads(out.stdout)["id"]
-        out = subprocess.run([*cli, "cancel", victim, "--url", srv.url], capture_output=True, text=True, timeout=60)
-        assert json.loads(out.stdout)["status"] == "cancelled"
         store = open_store(db)
         deadline = time.monotonic() + 240
         while store.counts().get("done", 0) < 2 or store.counts().get("running", 0) == 0:

@@ -88,6 +88,9 @@ def test_refused_urls_and_bad_config_name_the_key():
         open_store("mysql://x")
     with pytest.raises(ConfigError, match="jobs.max_workers"):
         JobsConfig(min_workers=3, max_workers=2)
+    with pytest.raises(ConfigError, match="jobs.workers must be an integer >= 0, got -1"):
+        JobsConfig(workers=-1)
+    assert JobsConfig(min_workers=0, max_workers=0, workers=0).initial_workers == 0  # API only
     with pytest.raises(ConfigError, match="jobs.claim_timeout_s"):
         JobsConfig(claim_timeout_s=0)
     with pytest.raises(ConfigError, match=r"job.split must be one of \['train', 'heldout'\]"):

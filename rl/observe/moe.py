@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rl.observe import names
+
 Scoring = Literal["softmax", "sigmoid"]
 
 
@@ -310,10 +312,10 @@ def moe_metrics(stats: MoeBatchStats, *, per_layer: bool = True, per_expert: boo
             out[f"moe/max_vio_worst/{name}"] = float(vio_L.max())
             if per_layer:
                 for l in range(L):
-                    out[f"moe/max_vio_l{l:02d}/{name}"] = float(vio_L[l])
+                    out[names.max_vio_layer(l, name)] = float(vio_L[l])
             if per_expert:
                 for e in range(E):
-                    out[f"moe/load_e{e:03d}/{name}"] = float(load_DLE[d, :, e].mean())
+                    out[names.moe_load(e, name)] = float(load_DLE[d, :, e].mean())
             if per_layer_expert:
                 for l in range(L):
                     for e in range(E):

@@ -7,17 +7,16 @@ clear errors, and renders it in headless Chromium: every plot laid out, no conso
 from __future__ import annotations
 
 import json
-import math
 import re
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 
-from tests.rl.dash_chromium import find_chromium, load_page
-from tests.rl.dash_synth import DOMAINS, EVIL, build_run
-from rl import report
-from rl.metrics import MetricsSink
+from tests.rl.observe.dash_chromium import find_chromium, load_page
+from tests.rl.observe.dash_html import Figures
+from tests.rl.observe.dash_synth import DOMAINS, EVIL, build_run
+from rl.observe import report
+from rl.observe.sink import MetricsSink
 from rl.types import StepMetrics
 
 STEPS = 8
@@ -26,57 +25,6 @@ REQUIRED = ("reward-mean", "success-rate", "zero-var", "sampler-weight", "tokens
             "tokens-response-median", "turns-mean", "truncated", "tool-errors", "loss-pg-loss", "loss-kl-value",
             "loss-router-aux-loss", "loss-loss-total", "grad-norm", "entropy", "logprob-gap", "gap-kl",
             "expert-domain-heatmap", "maxvio-layer-heatmap", "max-vio", "router-entropy", "moe-aux", "moe-z", "replay-mismatch")
-
-
-class Figures(HTMLParser):
-    """Collects figure ids/kinds, <title> texts per figure, samples-table rows, external references."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kind: dict[str, str] = {}
-        self.attrs_of: dict[str, dict] = {}
-        self.titles: dict[str, list[str]] = {}
-        self.circles: dict[str, list[tuple[float, str]]] = {}
-        self.sample_rows: list[str] = []
-        self.external: list[str] = []
-        self._fig: str | None = None
-        self._in_title = False
-        self._cy: float | None = None
-        self._depth = 0
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        for k in ("src", "href"):
-            if k in a and re.match(r"^\s*(https?:)?//", a[k] or ""):
-                self.external.append(a[k])
-        if tag == "link" or (tag == "script" and "src" in a):
-            self.external.append(f"<{tag}>")
-        if tag == "figure":
-            self._fig = a["id"].removeprefix("plot-")
-            self.kind[self._fig] = a.get("data-kind", "")
-            self.attrs_of[self._fig] = a
-            self.titles[self._fig] = []
-            self.circles[self._fig] = []
-        if tag == "circle":
-            self._cy = float(a["cy"])
-        if tag == "title":
-            self._in_title = True
-        if tag == "tr" and "data-domain" in a:
-            self.sample_rows.append(a["data-domain"])
-
-    def handle_endtag(self, tag):
-        if tag == "figure":
-            self._fig = None
-        if tag == "title":
-            self._in_title = False
-        if tag == "circle":
-            self._cy = None
-
-    def handle_data(self, data):
-        if self._in_title and self._fig:
-            self.titles[self._fig].append(data)
-            if self._cy is not None:
-                self.circles[self._fig].append((self._cy, data))
 
 
 @pytest.fixture(scope="module")
@@ -148,31 +96,6 @@ def test_page_is_self_contained_and_escapes_transcripts(run):
     assert f"Samples from step {STEPS - 1}" in page
 
 
-def test_resumed_steps_and_a_torn_last_line(tmp_path):
-    sink = MetricsSink(tmp_path, wandb_mode="disabled")
-    for s, v in ((0, 0.1), (1, 0.2), (1, 0.9), (2, 0.3)):  # step 1 redone after a resume
-        sink.log(StepMetrics(step=s, values={"reward/mean/a": v}))
-    sink.close()
-    with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "reward/me')  # killed mid-write
-    run = report.load_run(tmp_path)
-    assert run.steps == (0, 1, 2) and run.series["reward/mean/a"] == (0.1, 0.9, 0.3)
-    assert any("incomplete last line" in w for w in run.warnings)
-    assert "incomplete last line" in report.render_report(run)
-
-
-def test_nan_metrics_become_gaps(tmp_path):
-    sink = MetricsSink(tmp_path, wandb_mode="disabled")
-    for s, v in enumerate((0.1, float("nan"), 0.3)):
-        sink.log(StepMetrics(step=s, values={"reward/mean/a": v}))
-    sink.close()
-    page = report.render_report(report.load_run(tmp_path))
-    fig = page[page.index('id="plot-reward-mean"'):page.index('id="plot-success-rate"')]
-    paths = re.findall(r'<path class="line" d="([^"]+)"', fig)
-    assert len(paths) == 2 and not any(" L" in d for d in paths)  # the NaN step splits the line; no bridge over it
-    assert len(re.findall(r"<circle", fig)) == 2
-
-
 @pytest.mark.parametrize("setup,msg", [
     (lambda d: d / "nope", "does not exist"),
     (lambda d: d, "metrics.jsonl not found"),
@@ -205,16 +128,6 @@ def test_empty_run_renders_a_notice(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     out = report.write_report(tmp_path)
     assert "no rows yet" in out.read_text()
-
-
-@pytest.mark.parametrize("lo,hi", [(0.0, 1.0), (-3.7, 12.2), (1e-4, 3e-4), (5.0, 5.0), (-1e6, 2e7), (0.98, 1.02)])
-def test_nice_ticks_cover_the_range_evenly(lo, hi):
-    t = report.nice_ticks(lo, hi)
-    assert t[0] <= lo and t[-1] >= hi and 2 <= len(t) <= 12
-    steps = np.diff(t)
-    np.testing.assert_allclose(steps, steps[0], rtol=1e-6)
-    mant = steps[0] / 10 ** math.floor(math.log10(steps[0]))
-    assert any(abs(mant - m) < 1e-6 for m in (1, 2, 2.5, 5, 10))
 
 
 PROBE = """(function(){
@@ -291,99 +204,3 @@ def test_batch_wide_keys_join_the_per_domain_chart(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- many domains
-def _bench_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_domains.py"
-    spec = importlib.util.spec_from_file_location("bench_domains", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_domains_come_from_the_run_record_not_metric_names(tmp_path):
-    from rl.metrics import DomainInfo, RunRecord, read_run_record, write_run_record
-
-    sink = MetricsSink(tmp_path, wandb_mode="disabled")
-    sink.log(StepMetrics(step=0, values={"reward/mean/terminal": 0.5, "reward/mean/all": 0.5, "episode/wall_s/max": 3.0,
-                                         "tokens/response/mean": 9.0, "moe/load_e000/terminal": 1.0}))
-    sink.close()
-    # Without a record (older runs): only domains with a reward/mean/<domain> series, never stat names.
-    assert report.load_run(tmp_path).domains == ("terminal",)
-    rec = RunRecord((DomainInfo("terminal", "terminal-v0", "terminal"), DomainInfo("rg-gcd-v0", "rg-gcd-v0", "arithmetic")))
-    write_run_record(tmp_path, rec)
-    assert read_run_record(tmp_path) == rec
-    run = report.load_run(tmp_path)
-    assert run.domains == ("rg-gcd-v0", "terminal") and run.families == {"arithmetic": ("rg-gcd-v0",), "terminal": ("terminal",)}
-    (tmp_path / "run.json").write_text('{"domains": [{"name": 3}]}')
-    run = report.load_run(tmp_path)
-    assert run.domains == ("terminal",) and any("run.json" in w or "run record" in w for w in run.warnings)
-
-
-def test_run_record_families_come_from_tasks():
-    from jointrl.records import Message, Task
-    from rl.metrics import RunRecord
-
-    t = Task(id="a", domain="rg-gcd-v0", prompt=(Message(role="user", content="q"),), public={"family": "arithmetic"})
-    rec = RunRecord.of({"gcd": "rg-gcd-v0", "terminal": "terminal-v0"}, {"gcd": [t], "terminal": []})
-    assert rec.family_of() == {"gcd": "arithmetic", "terminal": "terminal"}
-    assert RunRecord.from_json(rec.to_json()) == rec
-
-
-@pytest.fixture(scope="module")
-def run500(tmp_path_factory):
-    import time as _time
-
-    rd = _bench_module().synthetic_run(tmp_path_factory.mktemp("r500"), 500, steps=12)
-    t0 = _time.perf_counter()
-    run = report.load_run(rd)
-    page = report.render_report(run)
-    took = _time.perf_counter() - t0
-    out = rd / "report.html"
-    out.write_text(page)
-    return run, page, out, took
-
-
-def test_report_at_500_domains_is_bounded_and_grouped(run500):
-    run, page, _, took = run500
-    assert len(run.domains) == 500 and len(run.families) == 12
-    assert took < 10.0 and len(page.encode()) < 5_000_000
-    p = Figures()
-    p.feed(page)
-    assert len(re.findall(r'<tr data-q="', page)) == 500  # one table row per domain
-    assert page.count("<svg class=\"spark\"") >= 500
-    assert p.attrs_of["expert-domain-clustered"]["data-rows"] == "500"
-    # per-family lines, not 500 series: the reward chart has one legend entry per family (+ 'all')
-    legend = re.search(r'id="plot-reward-mean".*?</figure>', page, re.S).group(0)
-    assert 12 <= legend.count('class="lg') <= 13
-    # top movers agree with the series: the first 'up' row is the domain whose reward rose most
-    from rl.report_domains import change
-    best = max(run.domains, key=lambda d: change(run, f"reward/mean/{d}"))
-    up = re.search(r'id="movers-up".*?<tbody><tr><td>([^<]+)</td>', page, re.S).group(1)
-    assert up == best
-
-
-PROBE500 = """(function(){ var out = {};
-  var box = document.getElementById('domain-search'); box.value = 'arithmetic'; box.dispatchEvent(new Event('input'));
-  var rows = document.querySelectorAll('#domain-table tbody tr'), shown = 0;
-  rows.forEach(function(r){ if (r.style.display !== 'none') shown++; }); out.shown = shown;
-  box.value = ''; box.dispatchEvent(new Event('input'));
-  var th = document.querySelectorAll('#domain-table thead th')[2]; th.click();
-  var vals = []; document.querySelectorAll('#domain-table tbody tr').forEach(function(r){ vals.push(parseFloat(r.cells[2].textContent)); });
-  out.sorted = vals.every(function(v, i){ return i === 0 || vals[i - 1] <= v; });
-  var hm = document.querySelector('#plot-expert-domain-clustered svg').getBoundingClientRect(); out.hm = [hm.width, hm.height];
-  return out; })()"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(find_chromium() is None, reason="Debian's chromium package is not installed (apt-get install -y chromium)")
-def test_report_at_500_domains_in_headless_chromium(run500):
-    run, _, path, _ = run500
-    res = load_page(path, PROBE500)
-    assert res.console_errors == (), res.console_errors
-    if res.mode != "cdp":
-        pytest.skip("websockets is not installed: console checked via --dump-dom logs, probe not run")
-    n_arith = len(run.families["arithmetic"])
-    assert res.probe["shown"] == n_arith and res.probe["sorted"] is True
-    assert res.probe["hm"][0] > 200 and res.probe["hm"][1] > 500

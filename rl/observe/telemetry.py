@@ -9,8 +9,8 @@ Pure functions; names follow `<family>/<stat>/<domain>` so dashboards can group 
     same generated tokens.
   * `ratio_metrics(...)`: per-domain token-level clip fractions of the PPO ratio and the sampled-token
     negative logprob (an entropy estimate at temperature 1).
-What it does not do: MoE router statistics (rl/moe_telemetry.py), losses (the objective reports those),
-logging (rl/metrics.py).
+What it does not do: MoE router statistics (rl/observe/moe.py), losses (the objective reports those),
+logging (rl/observe/sink.py). The name scheme is rl/observe/names.py.
 """
 from __future__ import annotations
 

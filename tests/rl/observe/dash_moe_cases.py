@@ -1,6 +1,6 @@
 """Random MoE routing cases for the telemetry tests, and the 2-rank all-reduce worker.
 
-Kept light (torch + rl.moe_telemetry only) because spawned worker processes import this module.
+Kept light (torch + rl.observe.moe only) because spawned worker processes import this module.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def random_case(seed, L=3, N=40, E=6, K=2, D=3, pad_frac=0.25, skip_domain=None)
 def all_reduce_worker(rank, port, q):
     import torch.distributed as dist
 
-    from rl.moe_telemetry import all_reduce_stats, moe_batch_stats, moe_metrics
+    from rl.observe.moe import all_reduce_stats, moe_batch_stats, moe_metrics
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -1,4 +1,4 @@
-"""rl/moe_telemetry.py against slow per-token loops written from the formulas, transformers' Mixtral
+"""rl/observe/moe.py against slow per-token loops written from the formulas, transformers' Mixtral
 load-balancing loss, rl/algos/router.py, and a real HybridMoe forward (the trainer's exact inputs)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from tests.rl.dash_moe_cases import DOMS, all_reduce_worker, random_case
+from tests.rl.observe.dash_moe_cases import DOMS, all_reduce_worker, random_case
 from rl.algos.router import load_balance_loss, router_z_loss
-from rl.moe_telemetry import (
+from rl.observe.moe import (
     expert_domain_matrix,
     fresh_routes,
     MoeStepTelemetry,

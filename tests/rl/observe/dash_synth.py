@@ -1,7 +1,7 @@
 """A synthetic but real-data-flow run directory for the dashboard tests and the benchmark.
 
 Episodes and MoE routes are generated with known, domain-dependent behaviour; every metric then goes
-through the real producers (rl.telemetry, rl.moe_telemetry, rl.train.dynamic_sampling) and the real
+through the real producers (rl.observe.telemetry, rl.observe.moe, rl.train.dynamic_sampling) and the real
 MetricsSink, exactly as the driver does. Only the model and environments are replaced by a generator.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from jointrl.records import Message
-from rl.metrics import MetricsSink
-from rl.moe_telemetry import moe_telemetry, token_domain_ids
-from rl.telemetry import logprob_gap_metrics, ratio_metrics, rollout_metrics
+from rl.observe.sink import MetricsSink
+from rl.observe.moe import moe_telemetry, token_domain_ids
+from rl.observe.telemetry import logprob_gap_metrics, ratio_metrics, rollout_metrics
 from rl.train import dynamic_sampling
 from rl.types import Episode, RolloutGroup, StepMetrics
 

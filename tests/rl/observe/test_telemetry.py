@@ -1,4 +1,4 @@
-"""rl/telemetry.py (per-domain rollout / gap / ratio metrics) and the progress-bar text, against slow
+"""rl/observe/telemetry.py (per-domain rollout / gap / ratio metrics) against slow
 references written from the definitions."""
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from jointrl.records import Message
-from rl.metrics import format_duration, progress_text
-from rl.telemetry import logprob_gap_metrics, ratio_metrics, rollout_metrics, time_breakdown
+from rl.observe.telemetry import logprob_gap_metrics, ratio_metrics, rollout_metrics, time_breakdown
 from rl.types import Episode, RolloutGroup
 
 
@@ -119,24 +118,6 @@ def test_ratio_metrics_match_loops():
 def test_bad_inputs_are_named(call, msg):
     with pytest.raises(ValueError, match=msg):
         call(*_rand(2))
-
-
-def test_progress_text_shows_step_rewards_and_eta():
-    vals = {"reward/mean/swe": 0.125, "reward/mean/cad": 0.41, "reward/mean/all": 0.3, "loss/total": 1.0}
-    # 4 steps done in this process in 100 s -> 25 s/step; after step index 9 of 20, 10 left -> 250 s
-    s = progress_text(9, 20, vals, elapsed_s=100.0, steps_done=4)
-    assert s == "step 10/20 | reward cad 0.410 swe 0.125 | eta 4m10s"
-    assert progress_text(19, 20, vals, elapsed_s=1.0, steps_done=1).endswith("eta 0s")
-    assert progress_text(0, 5, {}, elapsed_s=0.0, steps_done=0) == "step 1/5 | eta ?"
-    many = {f"reward/mean/d{i}": 0.0 for i in range(10)}
-    assert "+2" in progress_text(0, 5, many, elapsed_s=1.0, steps_done=1, max_domains=8)
-    with pytest.raises(ValueError, match="total_steps"):
-        progress_text(0, 0, vals, elapsed_s=1.0, steps_done=1)
-
-
-@pytest.mark.parametrize("s,want", [(0, "0s"), (45.4, "45s"), (192, "3m12s"), (3720, "1h02m"), (float("nan"), "?"), (-1, "?")])
-def test_format_duration(s, want):
-    assert format_duration(s) == want
 
 
 def test_time_breakdown_splits_rollout_by_episode_seconds_and_reports_idle():

@@ -1,6 +1,6 @@
-"""The report's per-domain pieces that stay readable at hundreds of domains (used by rl/report.py).
+"""The report's per-domain pieces that stay readable at hundreds of domains (used by rl/observe/report.py).
 
-From the run record's domains and families (rl/metrics.py: RunRecord) and the per-domain series:
+From the run record's domains and families (rl/observe/record.py: RunRecord) and the per-domain series:
 - per-family roll-ups: domains, latest mean reward / success / zero-variance fraction / weight, change;
 - top movers: the domains whose reward rose or fell most (mean of the last `window` logged steps
   minus the first `window`);
@@ -9,18 +9,18 @@ From the run record's domains and families (rl/metrics.py: RunRecord) and the pe
 - the expert x domain load heat map with rows grouped by family (families in name order, domains in a
   family ordered by their most-loaded expert, so a family's shared preference shows as a block), one
   thin row per domain, family names on the left.
-It reads only what `load_run` gives; it computes no training metric.
+It reads only the `RunData` that rl/observe/report_data.py's `load_run` gives; it computes no training metric.
 """
 from __future__ import annotations
 
 import html
 import math
-import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-MANY = 12  # above this many domains, per-domain line charts become per-family means
+from rl.observe.names import per_domain as _k
+from rl.observe.report_data import RunData
 
 
 def _e(x: Any) -> str:
@@ -31,16 +31,16 @@ def _f(v: float | None, nd: int = 3) -> str:
     return "–" if v is None or not math.isfinite(v) else f"{v:.{nd}f}"
 
 
-def _vals(run, key: str) -> list[float]:
+def _vals(run: RunData, key: str) -> list[float]:
     return [v for v in run.series.get(key, ()) if v is not None]
 
 
-def latest(run, key: str) -> float | None:
+def latest(run: RunData, key: str) -> float | None:
     v = _vals(run, key)
     return v[-1] if v else None
 
 
-def change(run, key: str, window: int = 3) -> float | None:
+def change(run: RunData, key: str, window: int = 3) -> float | None:
     v = _vals(run, key)
     if len(v) < 2:
         return None
@@ -48,12 +48,12 @@ def change(run, key: str, window: int = 3) -> float | None:
     return float(np.mean(v[-w:]) - np.mean(v[:w]))
 
 
-def family_series(run, prefix: str) -> dict[str, list[float | None]]:
+def family_series(run: RunData, prefix: str) -> dict[str, list[float | None]]:
     """family -> per-step mean of `prefix/<domain>` over its domains (None where none is logged)."""
     out = {}
     n = len(run.steps)
     for fam, doms in run.families.items():
-        cols = [run.series[f"{prefix}/{d}"] for d in doms if f"{prefix}/{d}" in run.series]
+        cols = [run.series[_k(prefix, d)] for d in doms if _k(prefix, d) in run.series]
         if not cols:
             continue
         out[fam] = [None if not (xs := [c[i] for c in cols if c[i] is not None]) else float(np.mean(xs)) for i in range(n)]
@@ -71,16 +71,16 @@ def sparkline(ys: Sequence[float | None], w: int = 90, h: int = 18) -> str:
     return f'<svg class="spark" width="{w}" height="{h}" viewBox="0 0 {w} {h}"><polyline points="{path}"/></svg>'
 
 
-def _rollups(run) -> str:
+def _rollups(run: RunData) -> str:
     rows = []
     for fam, doms in run.families.items():
         def mean_of(key_fn) -> float | None:
             xs = [x for d in doms if (x := key_fn(d)) is not None]
             return float(np.mean(xs)) if xs else None
-        rows.append((fam, len(doms), mean_of(lambda d: latest(run, f"reward/mean/{d}")),
-                     mean_of(lambda d: change(run, f"reward/mean/{d}")), mean_of(lambda d: latest(run, f"success/rate/{d}")),
-                     mean_of(lambda d: latest(run, f"rollout/zero_var_frac/{d}")),
-                     sum(x for d in doms if (x := latest(run, f"sampler/weight/{d}")) is not None)))
+        rows.append((fam, len(doms), mean_of(lambda d: latest(run, _k("reward/mean", d))),
+                     mean_of(lambda d: change(run, _k("reward/mean", d))), mean_of(lambda d: latest(run, _k("success/rate", d))),
+                     mean_of(lambda d: latest(run, _k("rollout/zero_var_frac", d))),
+                     sum(x for d in doms if (x := latest(run, _k("sampler/weight", d))) is not None)))
     body = "".join(f'<tr><td>{_e(f)}</td><td class="num">{n}</td><td class="num">{_f(r)}</td><td class="num">{_f(c, 3)}</td>'
                    f'<td class="num">{_f(s)}</td><td class="num">{_f(z)}</td><td class="num">{_f(w)}</td></tr>'
                    for f, n, r, c, s, z, w in rows)
@@ -89,8 +89,8 @@ def _rollups(run) -> str:
             f'<tbody>{body}</tbody></table>')
 
 
-def _movers(run, k: int = 10) -> str:
-    ch = [(d, c) for d in run.domains if (c := change(run, f"reward/mean/{d}")) is not None]
+def _movers(run: RunData, k: int = 10) -> str:
+    ch = [(d, c) for d in run.domains if (c := change(run, _k("reward/mean", d))) is not None]
     if not ch:
         return '<p class="note" id="movers-missing">No reward/mean/&lt;domain&gt; series with two or more steps.</p>'
     ch.sort(key=lambda x: x[1])
@@ -99,23 +99,23 @@ def _movers(run, k: int = 10) -> str:
     def table(tid: str, items) -> str:
         return (f'<table class="data" id="{tid}"><thead><tr><th>domain</th><th>family</th><th>Δ reward</th><th>reward</th></tr></thead><tbody>'
                 + "".join(f'<tr><td>{_e(d)}</td><td>{_e(fam.get(d, d))}</td><td class="num">{c:+.3f}</td>'
-                          f'<td>{sparkline(run.series[f"reward/mean/{d}"])}</td></tr>' for d, c in items) + "</tbody></table>")
+                          f'<td>{sparkline(run.series[_k("reward/mean", d)])}</td></tr>' for d, c in items) + "</tbody></table>")
     up = [x for x in reversed(ch) if x[1] > 0][:k]
     down = [x for x in ch if x[1] < 0][:k]
     return ('<h3>Top movers (reward, last 3 logged steps vs first 3)</h3><div class="grid2">'
             f'<div><b>up</b>{table("movers-up", up)}</div><div><b>down</b>{table("movers-down", down)}</div></div>')
 
 
-def _domain_table(run) -> str:
+def _domain_table(run: RunData) -> str:
     fam = run.family_of
     rows = []
     for d in run.domains:
-        r, c = latest(run, f"reward/mean/{d}"), change(run, f"reward/mean/{d}")
-        s, z, w = latest(run, f"success/rate/{d}"), latest(run, f"rollout/zero_var_frac/{d}"), latest(run, f"sampler/weight/{d}")
+        r, c = latest(run, _k("reward/mean", d)), change(run, _k("reward/mean", d))
+        s, z, w = latest(run, _k("success/rate", d)), latest(run, _k("rollout/zero_var_frac", d)), latest(run, _k("sampler/weight", d))
         rows.append(f'<tr data-q="{_e((d + " " + fam.get(d, d)).lower())}"><td>{_e(d)}</td><td>{_e(fam.get(d, d))}</td>'
                     f'<td class="num">{_f(r)}</td><td class="num">{_f(c)}</td><td class="num">{_f(s)}</td>'
                     f'<td class="num">{_f(z)}</td><td class="num">{_f(w, 4)}</td>'
-                    f'<td>{sparkline(run.series.get(f"reward/mean/{d}", ()))}</td></tr>')
+                    f'<td>{sparkline(run.series.get(_k("reward/mean", d), ()))}</td></tr>')
     return (f'<h3>All {len(run.domains)} domains</h3><p><label>Search <input id="domain-search" type="search" '
             'placeholder="domain or family"></label> <span id="domain-count"></span> · click a column header to sort</p>'
             '<table class="data sortable" id="domain-table"><thead><tr><th>domain</th><th>family</th><th>reward</th>'
@@ -123,18 +123,16 @@ def _domain_table(run) -> str:
             f'<tbody>{"".join(rows)}</tbody></table>')
 
 
-def clustered_heatmap(run, diverging) -> str:
+def clustered_heatmap(run: RunData, diverging: Callable[[float, float], str]) -> str:
     """Expert load x domain, rows grouped by family (see the module docstring); '' without MoE load metrics."""
-    pat = re.compile(r"^moe/load_e(\d+)/(.+)$")
-    found: dict[str, set[int]] = {}
-    for k in run.series:
-        if (m := pat.match(k)):
-            found.setdefault(m.group(2), set()).add(int(m.group(1)))
+    found = run.moe_load
     doms = [d for d in run.domains if d in found]
     if not doms:
         return ""
     experts = sorted(set().union(*(found[d] for d in doms)))
-    M = np.array([[latest(run, f"moe/load_e{e:03d}/{d}") or np.nan for e in experts] for d in doms], dtype=float)
+    # a load of 0 (an expert the domain never uses) is a value, not a gap: only a missing series is NaN
+    cells = [[latest(run, found[d][e]) if e in found[d] else None for e in experts] for d in doms]
+    M = np.array([[np.nan if v is None else v for v in row] for row in cells], dtype=float)
     fam = run.family_of
     order = sorted(range(len(doms)), key=lambda i: (fam.get(doms[i], doms[i]),
                                                     int(np.nanargmax(M[i])) if np.isfinite(M[i]).any() else 0, doms[i]))
@@ -196,7 +194,7 @@ _JS = """
 CSS = "svg.spark polyline{fill:none;stroke:#4e79a7;stroke-width:1.3}#domain-table td{padding:1px 6px}"
 
 
-def domains_section(run, diverging) -> str:
+def domains_section(run: RunData, diverging: Callable[[float, float], str]) -> str:
     if not run.domains:
         return '<p class="note">No domains in this run.</p>'
     return (_rollups(run) + _movers(run) + clustered_heatmap(run, diverging) + _domain_table(run)

@@ -2,11 +2,9 @@
 
 `MetricsSink.log(StepMetrics)` appends one JSON line per step to RUN_DIR/metrics.jsonl and the
 rollout samples to RUN_DIR/samples.jsonl, and mirrors both to wandb (samples as a table) unless
-wandb is disabled. It does not compute metrics: the driver and rl/telemetry.py do.
+wandb is disabled. It does not compute metrics: the driver and rl/observe/telemetry.py do.
 
-`RunRecord` is the run's typed list of domains (config name, env id, family), written once to
-RUN_DIR/run.json by the driver and read back by the report and the sampler, so neither has to guess
-domains from metric names.
+The run's typed record of domains and families is rl/observe/record.py.
 """
 from __future__ import annotations
 
@@ -14,10 +12,8 @@ import json
 import math
 import time
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from jointrl.records import Task
 from rl.log import get_logger
 from rl.types import StepMetrics
 
@@ -28,84 +24,6 @@ def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
-
-
-RUN_RECORD = "run.json"
-
-
-@dataclass(frozen=True)
-class DomainInfo:
-    name: str    # the run's domain key (config `envs.weights`), the last part of per-domain metric names
-    env_id: str
-    family: str  # the sampling / dashboard group: a task's `public["family"]`, else the domain's own name
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """The run's domains and their families (see the module docstring)."""
-
-    domains: tuple[DomainInfo, ...]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(d.name for d in self.domains)
-
-    def family_of(self) -> dict[str, str]:
-        return {d.name: d.family for d in self.domains}
-
-    def families(self) -> dict[str, tuple[str, ...]]:
-        """family -> its domains, both sorted."""
-        out: dict[str, list[str]] = {}
-        for d in sorted(self.domains, key=lambda d: d.name):
-            out.setdefault(d.family, []).append(d.name)
-        return {f: tuple(out[f]) for f in sorted(out)}
-
-    @staticmethod
-    def of(env_ids: Mapping[str, str], tasks: Mapping[str, Sequence[Task]]) -> "RunRecord":
-        """From the run's domain -> env id map and its task pools (a domain's family is declared by its tasks)."""
-        out = []
-        for d in sorted(env_ids):
-            fam = next((t.public.get("family") for t in tasks.get(d, ()) if isinstance(t.public.get("family"), str)), None)
-            out.append(DomainInfo(d, env_ids[d], fam or d))
-        return RunRecord(tuple(out))
-
-    def to_json(self) -> str:
-        return json.dumps({"version": 1, "domains": [{"name": d.name, "env_id": d.env_id, "family": d.family}
-                                                     for d in self.domains]}, indent=1)
-
-    @staticmethod
-    def from_json(text: str) -> "RunRecord":
-        """Raises ValueError naming what is wrong."""
-        data = json.loads(text)
-        rows = data.get("domains") if isinstance(data, dict) else None
-        if not isinstance(rows, list):
-            raise ValueError("run record: 'domains' must be a list")
-        out = []
-        for i, r in enumerate(rows):
-            if not (isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("name", "env_id", "family"))):
-                raise ValueError(f"run record: domains[{i}] needs string 'name', 'env_id' and 'family'")
-            out.append(DomainInfo(r["name"], r["env_id"], r["family"]))
-        return RunRecord(tuple(out))
-
-
-def write_run_record(run_dir: str | Path, record: RunRecord) -> Path:
-    path = Path(run_dir) / RUN_RECORD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(record.to_json(), encoding="utf-8")
-    tmp.replace(path)
-    return path
-
-
-def read_run_record(run_dir: str | Path) -> RunRecord | None:
-    """The run's record, or None for runs written before it existed. Raises ValueError if it is corrupt."""
-    path = Path(run_dir) / RUN_RECORD
-    if not path.exists():
-        return None
-    try:
-        return RunRecord.from_json(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
 
 
 class MetricsSink:

@@ -1,0 +1,79 @@
+"""Figures of a finished learning run, from its run directory: the per-step time breakdown of RL on the
+real policy (generate / tools / grade / train / sync / idle, mean of the measured steps), the three
+held-out arms side by side (after SFT, after SFT + RL, after SFT continued for RL's wall time) with
+95% CIs and paired t, and held-out points gained per 10 minutes of RL.
+
+    .venv/bin/python scripts/learning_report.py runs/learning_smollm2 [--skip-steps 1]
+
+Reads RUN_DIR/metrics.jsonl (the `time/*` keys, rl/observe/telemetry.py) and RUN_DIR/eval.json (rl/evaluate.py);
+RL's wall time is eval.json's `rl_seconds`, else the sum of `time/step_s`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+PARTS = ("rollout_generate_s", "rollout_tools_s", "rollout_grade_s", "train_s", "sync_s", "trainer_idle_s", "rollout_idle_s")
+
+
+def step_breakdown(rows: list[dict], skip: int) -> dict[str, float]:
+    """Mean of each `time/<part>` over the steps after the first `skip` (the first step pays warm-ups)."""
+    steps = [r for r in rows if "time/step_s" in r][skip:]
+    if not steps:
+        return {}
+    return {p: statistics.fmean(r.get(f"time/{p}", 0.0) for r in steps) for p in ("step_s", *PARTS)} | {"steps": float(len(steps))}
+
+
+def rl_seconds(doc: dict, rows: list[dict]) -> float:
+    return float(doc.get("rl_seconds") or sum(r.get("time/step_s", 0.0) for r in rows))
+
+
+def format_report(doc: dict, rows: list[dict], skip: int) -> str:
+    out = []
+    b = step_breakdown(rows, skip)
+    if b:
+        out.append(f"RL step time, mean of {int(b['steps'])} steps (first {skip} skipped), seconds:")
+        out.append(f"  step {b['step_s']:.1f} = generate {b['rollout_generate_s']:.1f} + tools {b['rollout_tools_s']:.1f} + "
+                   f"grade {b['rollout_grade_s']:.1f} + train {b['train_s']:.1f} + sync {b['sync_s']:.2f} (+ waits); "
+                   f"trainer idle {b['trainer_idle_s']:.1f}, rollout idle {b['rollout_idle_s']:.1f}")
+    secs = rl_seconds(doc, rows)
+    out.append(f"RL wall time: {secs / 60:.1f} min")
+    head = f"{'environment':<22} {'n':>4} {'after SFT':>17} {'SFT + RL':>17} {'SFT control':>17} {'gain':>7} {'t':>6} {'RL-ctl':>7} {'t':>6} {'pts/10min':>9}"
+    out += [head, "-" * len(head)]
+
+    def cell(p, ci):
+        lo, hi = (x if x is not None else float("nan") for x in ci)
+        return f"{p:.3f} [{lo:.2f},{hi:.2f}]"
+
+    for env, e in doc.get("domains", {}).items():
+        ctl = cell(e["success_sft_control"], e["ci95_sft_control"]) if "success_sft_control" in e else "-"
+        t = e["paired_t"] if e["paired_t"] is not None else float("nan")
+        rc = e.get("gain_rl_vs_sft_control")
+        rct = e.get("paired_t_rl_vs_sft_control")
+        per10 = 100.0 * e["gain"] / (secs / 600.0) if secs else float("nan")
+        out.append(f"{env:<22} {e['n']:>4} {cell(e['success_before'], e['ci95_before']):>17} {cell(e['success_after'], e['ci95_after']):>17} "
+                   f"{ctl:>17} {e['gain']:>+7.3f} {t:>6.2f} {(rc if rc is not None else float('nan')):>+7.3f} "
+                   f"{(rct if rct is not None else float('nan')):>6.2f} {per10:>9.2f}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    ap.add_argument("--skip-steps", type=int, default=1)
+    args = ap.parse_args(argv)
+    run = Path(args.run_dir)
+    if not (run / "eval.json").is_file():
+        print(f"learning_report: {run}/eval.json not found (the run has not finished)", file=sys.stderr)
+        return 2
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (run / "metrics.jsonl").exists() else []
+    print(format_report(json.loads((run / "eval.json").read_text()), rows, args.skip_steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
