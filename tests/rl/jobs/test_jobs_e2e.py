@@ -171,7 +171,7 @@ def test_server_restart_loses_nothing_poison_is_dead_lettered_cancel_works(tiny_
     api_only = JobsServer(tiny_ckpt, db, redis_url, policy_url, tmp_path / "api.log", "--workers", "0", "--max-attempts", "2")
     api_only.start()
     try:
-        assert httpx.get(f"{api_only.url}/v1/jobs/workers", timeout=10).json() == []
+        assert httpx.get(f"{api_only.url}/v1/jobs/workers", timeout=10).json() == {"workers": []}
         ids = [_submit(api_only.url, index=i) for i in range(12)]
         poison = _submit(api_only.url, split="heldout", index=10**6)  # no such task: every attempt raises
         bad = httpx.post(f"{api_only.url}/v1/jobs", json={"env": "nosuch-v0"}, timeout=10)
