@@ -106,9 +106,10 @@ async def _client_run(base: str, route: str, model: str, conc: int, loops: int, 
 
 
 # ----------------------------------------------------------------------------- direct engine
-async def _direct_run(engine, tok, conc: int, loops: int, new_tokens: int) -> dict:
+async def _direct_run(engine, codec, conc: int, loops: int, new_tokens: int) -> dict:
+    """The same prompts as the HTTP routes (the served model's own chat codec renders them), straight
+    into the engine: no HTTP, no parsing, no JSON."""
     from jointrl.records import Message
-    from model import chat
     from rl.rollout.engine import GenerateRequest
 
     loop = asyncio.get_running_loop()
@@ -131,9 +132,9 @@ async def _direct_run(engine, tok, conc: int, loops: int, new_tokens: int) -> di
     tag = f"bench{conc}-{time.monotonic_ns()}"
 
     async def one(i: int) -> None:
-        text = chat.render([Message(role="user", content=PROMPT.format(i=i))], add_generation_prompt=True)
-        g = GenerateRequest(prompt_token_ids=tuple(tok.encode(text, add_special_tokens=False)), max_tokens=new_tokens,
-                            stop_token_ids=chat.STOP_TOKEN_IDS, thinking_budget=None, seed=i)
+        ids = codec.prompt_ids([Message(role="user", content=PROMPT.format(i=i))], None)
+        g = GenerateRequest(prompt_token_ids=tuple(ids), max_tokens=new_tokens, stop_token_ids=codec.stop_token_ids,
+                            thinking_budget=None, seed=i)
         rid = f"{tag}-{i}"
         q: asyncio.Queue = asyncio.Queue()
         routes[rid] = q
@@ -211,7 +212,7 @@ def main() -> None:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def direct(conc: int, n_loops: int) -> dict:
-        return asyncio.run(_direct_run(service.engine, service.tokenizer, conc, n_loops, args.new_tokens))
+        return asyncio.run(_direct_run(service.engine, service.codec, conc, n_loops, args.new_tokens))
 
     direct(4, 1)  # warm-up: the first engine steps compile kernels
     http("openai", 4, 1)

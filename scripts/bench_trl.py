@@ -29,9 +29,9 @@ What is held equal:
   clip range (0.2, 0.28) and per-sequence token-mean aggregation (jointrl `seq_mean_token_mean`,
   TRL `loss_type="grpo"`); no dynamic sampling (every group is trained on, on both sides).
 
-What is not equal, by design (each side as shipped): jointrl computes old-policy logprobs in a pass
-of their own, syncs the weights to the engine and measures the engine-vs-trainer logprob gap every
-step; TRL, with one optimiser step per generation, does none of these. jointrl's trainer runs one
+What is not equal, by design (each side as shipped): jointrl syncs the weights to the engine and
+measures the engine-vs-trainer logprob gap every step; TRL generates with the trained module itself
+and does neither. jointrl's trainer runs one
 torch thread (`JOINTRL_TRAINER_THREADS`, default 1) beside the vLLM engine; TRL runs one process with
 `--trl-threads` torch threads (default 1: on this shared, oversubscribed 2-core machine torch's
 default of one thread per core made TRL's forward 2.5x and its generate 5x slower than one thread;
