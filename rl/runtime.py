@@ -360,7 +360,12 @@ class Runtime:
     def make_env(self, task: Task):
         import envs
 
-        return envs.make(self.env_ids[task.domain])
+        env = envs.make(self.env_ids[task.domain])
+        # A policy that takes images gets the task's pictures in its prompt where the env offers them (cad-v0's
+        # target views); text-only runs keep text-only prompts (their codecs and SFT data take no images).
+        if self.cfg.rollout.max_images_per_prompt and hasattr(env, "prompt_views"):
+            env.prompt_views = True
+        return env
 
     def _image_settings(self, model_dir: Path):
         """What images reach the policy (rollout.max_images_per_prompt / image_pixels); refused up front for a

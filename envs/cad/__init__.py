@@ -11,12 +11,14 @@ from __future__ import annotations
 from envs.base import ToolEnv
 
 
-def make_env(*, backend=None, sandbox_limits=None, pool=None, **env_kwargs) -> ToolEnv:
-    """`envs.make("cad-v0", backend=..., sandbox_limits=..., pool=..., limits=..., max_calls_per_turn=...)`."""
-    from envs.cad.domain import CadDomain
+def make_env(*, backend=None, sandbox_limits=None, pool=None, prompt_views: bool = False, **env_kwargs) -> ToolEnv:
+    """`envs.make("cad-v0", backend=..., sandbox_limits=..., pool=..., prompt_views=..., limits=..., max_calls_per_turn=...)`.
+
+    prompt_views: the user message carries the target's four views as an image (a policy that takes images)."""
+    from envs.cad.domain import CadDomain, CadEnv
 
     kw = {} if sandbox_limits is None else {"sandbox_limits": sandbox_limits}
-    return ToolEnv(CadDomain(backend=backend, pool=pool, **kw), **env_kwargs)
+    return CadEnv(CadDomain(backend=backend, pool=pool, **kw), prompt_views=prompt_views, **env_kwargs)
 
 
 def register() -> None:

@@ -27,6 +27,12 @@ fraction of malformed calls; truncated episodes score 0; a grader failure (worke
 per-file work timeout, no worker within the deadline) is a visible grade error for that episode,
 never a silent 0. IoU, each feature check and the counts are reported as `check/...` metrics.
 
+`CadEnv` is the `ToolEnv` of cad-v0. Built with `prompt_views=True` (the runtime does so when the policy takes
+images: `rollout.max_images_per_prompt` > 0), it puts the target's four views (tasks.prompt_image, 320 x 320) on
+the task's user message at `reset`; what the policy then sees of them (the picture, blank pixels, a note past
+the episode's image limit) is the agent loop's choice. Otherwise prompts stay text only: the picture is then
+only in `Task.public`, and text-only codecs and the SFT data never meet an image.
+
 This module does not implement sandboxing (envs/sandbox/) nor the budget loop (envs/base.py).
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection, Mapping
 
-from envs.base import Domain, EnvSetupError, ToolInvocation, ToolOutput
+from envs.base import Domain, EnvSetupError, ToolEnv, ToolInvocation, ToolOutput
 from envs.cad.families import FAMILIES
 from envs.cad.kernel.brep import BrepLimits
 from envs.cad.kernel.runner import REPORT_MARKER
@@ -289,3 +295,35 @@ class CadDomain(Domain):
 
     def noop(self, task: Task) -> list[ToolInvocation]:
         return [ToolInvocation("submit", {"code": ""})]
+
+
+class CadEnv(ToolEnv):
+    """`ToolEnv` over a CAD domain; `prompt_views`: attach the target's views to the user message at `reset`."""
+
+    def __init__(self, domain: Domain, *, prompt_views: bool = False, **kwargs) -> None:
+        super().__init__(domain, **kwargs)
+        self.prompt_views = prompt_views
+
+    async def reset(self, task: Task):
+        if self.prompt_views:
+            task = with_prompt_views(task)
+        return await super().reset(task)
+
+
+def with_prompt_views(task: Task) -> Task:
+    """`task` with the target's views (`tasks.prompt_image`) as the images of its last user message (replacing any:
+    a task row round trip drops them, and resetting twice must not add them twice)."""
+    import dataclasses
+
+    from envs.cad.tasks import prompt_image
+
+    users = [i for i, m in enumerate(task.prompt) if m.role == "user"]
+    if not users:
+        raise EnvSetupError(f"task {task.id}: no user message to attach the target's views to")
+    try:
+        png = prompt_image(task.public)
+    except ValueError as e:
+        raise EnvSetupError(f"task {task.id}: {e}") from None
+    prompt = list(task.prompt)
+    prompt[users[-1]] = dataclasses.replace(prompt[users[-1]], images=(png,))
+    return dataclasses.replace(task, prompt=tuple(prompt))

@@ -16,7 +16,9 @@ camera, B-rep edges are drawn where visible (depth-tested), and silhouettes and 
 outlined. Short red / green / blue lines from the world origin mark +X / +Y / +Z (drawn on top).
 
 `render_view` draws one of the four views alone, `size` x `size` pixels, fitted to the part (the agent's
-`render_view` tool: a square of a size the policy's patch size divides).
+`render_view` tool: a square of a size the policy's patch size divides). `drop_separator` turns a sheet into the
+image a task prompt shows the policy: the same four panels without the separator line, `2 * panel` pixels square
+(a multiple of the patch size when the panel is one).
 
 What it does not do: hidden-line dashes, text labels or dimensions (the text spec carries those).
 """
@@ -274,3 +276,14 @@ def render_views(verts_N3: np.ndarray, tris_M3: np.ndarray, lines: list[np.ndarr
     sheet[panel + 1:, :panel] = panels[2]
     sheet[panel + 1:, panel + 1:] = panels[3]
     return Picture(png=encode_png(sheet), width=sheet.shape[1], height=sheet.shape[0], px_per_mm=float(scale))
+
+
+def drop_separator(sheet_HW3: np.ndarray) -> np.ndarray:
+    """The `(2p+1) x (2p+1)` sheet `render_views` draws, without its separator row and column: the four panels
+    abutting, `2p x 2p`, every panel pixel unchanged."""
+    h, w = sheet_HW3.shape[:2]
+    if sheet_HW3.ndim != 3 or h != w or h % 2 != 1 or h < 3:
+        raise ValueError(f"drop_separator needs a (2p+1, 2p+1, C) view sheet, got shape {sheet_HW3.shape}")
+    p = h // 2
+    keep = np.r_[0:p, p + 1:h]
+    return np.ascontiguousarray(sheet_HW3[keep][:, keep])

@@ -12,13 +12,19 @@ Each task carries (JSON-serialisable, so it lives in an HF dataset):
   private["reference"]     the reference solid's volume, bounding box, faces and through-holes.
 Pictures are rendered by the warm worker pool (envs/cad/worker.py) and cached per process by
 reference code, so regenerating the same tasks does not render twice.
+
+`prompt_image(public)` is the picture as the policy's prompt carries it (`CadEnv(prompt_views=True)`): the
+sheet without its separator line, `PROMPT_IMAGE_PX` square, a multiple of the 16-pixel patch (400 patches).
+The task rows keep only the base64 sheet in `public` (a row does not carry `Message.images`).
 """
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import functools
 import random
 import threading
+from typing import Any, Mapping
 
 from envs.cad.families import FAMILIES, Family
 from envs.splits import split_by_hash
@@ -30,6 +36,8 @@ HELDOUT_FRACTION = 0.2
 DEFAULT_N = {"train": 60 * len(FAMILIES), "heldout": 12 * len(FAMILIES)}
 LIMITS = Limits(max_turns=12, tool_timeout_s=60.0, episode_timeout_s=900.0, max_obs_chars=4000, max_arg_chars=20_000)
 PANEL_PX = 160
+# The prompt's picture: the 2 x 2 panels without the 1-pixel separator (render.drop_separator).
+PROMPT_IMAGE_PX = 2 * PANEL_PX
 
 SYSTEM_PROMPT = (
     "You are a mechanical CAD engineer. Build the part described by the user as a solid with CadQuery 2.8 "
@@ -92,6 +100,35 @@ def _pictures(codes: list[str], pool=None) -> dict[str, dict]:
             _PICTURES.update(done)
     with _PIC_LOCK:
         return {c: _PICTURES[c] for c in codes}
+
+
+@functools.lru_cache(maxsize=512)
+def _prompt_image(sheet_b64: str) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from envs.cad.render import drop_separator, encode_png
+
+    try:
+        sheet_HW3 = np.asarray(Image.open(io.BytesIO(base64.b64decode(sheet_b64, validate=True))).convert("RGB"))
+    except (ValueError, OSError) as e:  # bad base64 (binascii.Error is a ValueError), bytes Pillow cannot read
+        raise ValueError(f"CAD task public['image_png_b64'] is not a base64 PNG ({type(e).__name__}: {e})") from None
+    if sheet_HW3.shape[:2] != (PROMPT_IMAGE_PX + 1, PROMPT_IMAGE_PX + 1):
+        raise ValueError(f"CAD task public['image_png_b64'] is a {sheet_HW3.shape[1]}x{sheet_HW3.shape[0]} image; expected "
+                         f"the {PROMPT_IMAGE_PX + 1}x{PROMPT_IMAGE_PX + 1} view sheet (panels of {PANEL_PX} px)")
+    return encode_png(drop_separator(sheet_HW3))
+
+
+def prompt_image(public: Mapping[str, Any]) -> bytes:
+    """PNG of the target's four views for the task prompt: the task's sheet (`public["image_png_b64"]`)
+    without its separator, `PROMPT_IMAGE_PX` square. ValueError naming the key when the task has no sheet or
+    it is not the sheet `make_tasks` renders."""
+    b64 = public.get("image_png_b64")
+    if not isinstance(b64, str) or not b64:
+        raise ValueError("CAD task public['image_png_b64'] is missing: the task carries no picture of the target")
+    return _prompt_image(b64)
 
 
 def _plan(split: str, seed: int, index: int) -> tuple[Family, tuple]:
