@@ -13,6 +13,10 @@ the state before token t is read off the hidden state at t - 1 (`values_BT[:, 0]
 `value_step(batch)` takes one optimizer step of `rl.algos.clipped_value_loss` against
 `batch.returns_BT`, with the step batch's aggregation weights (global with N ranks, like the policy).
 
+Images: a batch with images (`TrainBatch.images_B` / `image_mask_BT`) is read with its `pixel_values` and
+`image_mask` in every forward of the critic, exactly as the policy trainer feeds its forwards, so the critic
+values the state the policy acted in (`image_inputs`).
+
 What it does not do: compute advantages or returns (the driver does, with `rl.algos`), or replay
 routes (the critic's MoE routes freely).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,15 +55,33 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values [B, T] aligned to targets, a zero-valued term that ties the unused LM head into the graph)."""
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **image_kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [B, T] aligned to targets, a zero-valued term that ties the unused LM head into the graph).
+        `image_kw`: `pixel_values` and `image_mask` for a batch with images (`image_inputs`), else nothing."""
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
+                      **image_kw)
         h_BTD = out.hidden_states[-1]
         v_BT = self.head(h_BTD.to(self.head.weight.dtype)).squeeze(-1).float()
         values_BT = torch.zeros_like(v_BT)
         values_BT[:, 1:] = v_BT[:, :-1]  # V(s_t) from the state after tokens < t
         # DeepSpeed expects a gradient (possibly zero) for every trainable parameter it manages.
         return values_BT, out.logits.float().sum() * 0.0
+
+
+def image_inputs(batch: TrainBatch, lm_config: Any) -> dict[str, Any]:
+    """`pixel_values` (one [C, H, W] per image, row-major, as the placeholders come) and `image_mask` of a
+    micro-batch with images, as the policy trainer passes them (rl/trainer/policy.py); {} for a text-only one.
+    ValueError when the batch carries images and the model has no vision tower."""
+    if batch.image_mask_BT is None or not bool(batch.image_mask_BT.any()):
+        return {}
+    from model.vision import VisionSpec, decode_image, pixel_tensor
+
+    spec = VisionSpec.from_config(lm_config)
+    if spec is None:
+        raise ValueError("the batch carries images but the critic's model has no vision tower")
+    dev = batch.input_ids_BT.device
+    pixels = [pixel_tensor(decode_image(im.data, spec)).to(dev) for row in batch.images_B for im in row]
+    return {"pixel_values": pixels, "image_mask": batch.image_mask_BT.to(dev)}
 
 
 def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
@@ -85,6 +108,9 @@ class CriticTrainer:
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
 
+    def _image_inputs(self, mb: TrainBatch) -> dict[str, Any]:
+        return image_inputs(mb, self.engine.module.lm.config)
+
     def _micro_batches(self, batch: TrainBatch, n_micro: int, pad_only: bool) -> list[tuple[TrainBatch, bool]]:
         return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)
 
@@ -93,7 +119,7 @@ class CriticTrainer:
         self.engine.eval()
         out = []
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
-            v, _ = self.engine(mb.input_ids_BT, mb.attention_mask_BT)
+            v, _ = self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
             if not padding:
                 out.append(v * (mb.loss_mask_BT > 0))
         self.engine.train()
@@ -110,7 +136,7 @@ class CriticTrainer:
         clip = self.spec.value_clip if self.spec.value_clip > 0 else None
         loss_sum, clipfrac, n_tok = 0.0, 0.0, 0.0
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
-            v, tie = self.engine(mb.input_ids_BT, mb.attention_mask_BT)
+            v, tie = self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
             loss, m = clipped_value_loss(v, mb.values_BT, mb.returns_BT, mb.loss_mask_BT > 0, clip=clip,
                                          weights_BT=mb.loss_weights_BT)
             loss = loss + tie
