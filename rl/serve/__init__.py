@@ -24,7 +24,7 @@ _WHERE = {
     "PromptTokens": "core", "encode_prompt": "core", "finish_choice": "core", "token_text_ends": "core",
     "ServeCodec": "codec", "StreamFields": "codec", "build_codec": "codec",
     "ServeRecord": "records", "RecordedChoice": "records", "Recorder": "records", "read_records": "records",
-    "recorded_sequence": "records", "RecordedSequence": "records",
+    "recorded_sequence": "records", "RecordedSequence": "records", "RecordedImage": "records", "load_image": "records",
     "StreamingEngine": "engine", "StreamDelta": "engine",
     "ChatService": "service", "Admission": "service", "Prepared": "service", "TextDelta": "service", "Finished": "service",
     "parse_chat_request": "openai", "completion_json": "openai", "stream_chunks": "openai", "message_json": "openai",

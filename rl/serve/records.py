@@ -3,15 +3,21 @@
 What it does
 - `ServeRecord` / `RecordedChoice`: the JSONL layout (docs/serve.md "Records"); both wire protocols
   write the same records (`request.protocol` says which one the request came in).
-- `Recorder`: appends records to `<dir>/serve-<time>-<pid>.jsonl`, one file per server run.
+- `Recorder`: appends records to `<dir>/serve-<time>-<pid>.jsonl`, one file per server run, and each
+  request's images, content-addressed, to `<dir>/images/<sha256>.<png|jpg|img>` (a multi-turn
+  conversation re-sends its images; each is stored once). A record names its images by sha256 with
+  the prompt span each feeds (`RecordedImage`); the image file is written before the record line,
+  so a record never names a missing file.
 - `read_records` / `recorded_sequence`: follow `continues` links to rebuild one append-only token
-  sequence (ids, loss mask, logprobs) from a multi-turn conversation.
+  sequence (ids, loss mask, logprobs, and the images with their spans, read back from the record
+  directory and checked against their sha256) from a multi-turn conversation.
 
 What it does not do
 - No rewards: a record becomes an `rl.types.Episode` once a scaffold supplies one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -20,7 +26,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rl.types import TokenImage
+
 RECORD_VERSION = 1
+IMAGES_DIR = "images"  # under the record directory
+
+
+@dataclass(frozen=True)
+class RecordedImage:
+    """An image of the request's prompt: its bytes' sha256 (the file `images/<sha256>.<ext>` next to the record)
+    and the prompt span [start, start + length) of placeholder tokens it feeds."""
+
+    sha256: str
+    start: int
+    length: int
+
+    @staticmethod
+    def of(image: TokenImage) -> "RecordedImage":
+        return RecordedImage(sha256=hashlib.sha256(image.data).hexdigest(), start=image.start, length=image.length)
+
+
+def image_file_name(data: bytes) -> str:
+    """`<sha256>.<ext>`: png / jpg by the bytes' signature, `img` for any other format Pillow read."""
+    ext = "png" if data.startswith(b"\x89PNG\r\n\x1a\n") else "jpg" if data.startswith(b"\xff\xd8\xff") else "img"
+    return f"{hashlib.sha256(data).hexdigest()}.{ext}"
+
+
+def load_image(record_dir: str | os.PathLike[str], sha256: str) -> bytes:
+    """The bytes of a recorded image, checked against their sha256 (ValueError when missing or altered)."""
+    files = sorted((Path(record_dir) / IMAGES_DIR).glob(f"{sha256}.*"))
+    if not files:
+        raise ValueError(f"image {sha256} is not in {Path(record_dir) / IMAGES_DIR} (records read without their record directory?)")
+    data = files[0].read_bytes()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{files[0]}: its bytes do not hash to the name it is recorded under")
+    return data
 
 
 @dataclass(frozen=True)
@@ -49,6 +89,7 @@ class ServeRecord:
     continues: tuple[str, int] | None  # (record id, choice index) this prompt extends, or None
     choices: tuple[RecordedChoice, ...]
     record_version: int = RECORD_VERSION
+    images: tuple[RecordedImage, ...] = ()  # the prompt's images, in order, with the spans they feed
 
     def to_json(self) -> str:
         d = {
@@ -62,6 +103,7 @@ class ServeRecord:
                  "message": c.message, "parse_errors": list(c.parse_errors)}
                 for c in self.choices
             ],
+            "images": [{"sha256": im.sha256, "start": im.start, "length": im.length} for im in self.images],
         }
         return json.dumps(d, ensure_ascii=False)
 
@@ -82,22 +124,42 @@ class ServeRecord:
                 for c in d["choices"]
             ),
             record_version=d["record_version"],
+            # absent in records written before images were recorded: those requests carried none
+            images=tuple(RecordedImage(sha256=str(im["sha256"]), start=int(im["start"]), length=int(im["length"]))
+                         for im in d.get("images", ())),
         )
 
 
 class Recorder:
-    """Appends ServeRecords as JSON lines to `<dir>/serve-<time>-<pid>.jsonl` (one file per server run)."""
+    """Appends ServeRecords as JSON lines to `<dir>/serve-<time>-<pid>.jsonl` (one file per server run) and their
+    images to `<dir>/images/`, one file per distinct image."""
 
     def __init__(self, record_dir: str | os.PathLike[str]) -> None:
         d = Path(record_dir)
         d.mkdir(parents=True, exist_ok=True)
+        self.dir = d
         self.path = d / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
         self._lock = threading.Lock()
 
-    def write(self, record: ServeRecord) -> None:
+    def write(self, record: ServeRecord, images: Sequence[TokenImage] = ()) -> None:
+        """Append `record`; `images`: the request's images (bytes and spans), which `record.images` must name."""
+        if tuple(RecordedImage.of(im) for im in images) != record.images:
+            raise ValueError(f"record {record.id!r}: the images given are not the ones the record names")
         line = record.to_json() + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        with self._lock:
+            for im in images:
+                self._store(im.data)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    def _store(self, data: bytes) -> None:
+        target = self.dir / IMAGES_DIR / image_file_name(data)
+        if target.exists():
+            return
+        target.parent.mkdir(exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)  # whole or absent: a crash never leaves a truncated image under its hash
 
 
 def read_records(path: str | os.PathLike[str]) -> list[ServeRecord]:
@@ -123,10 +185,16 @@ class RecordedSequence:
     token_ids: tuple[int, ...]
     loss_mask: tuple[int, ...]  # 1 exactly on tokens the policy sampled
     logprobs: tuple[float, ...]  # sampled logprob where loss_mask == 1, else 0.0
+    images: tuple[TokenImage, ...] = ()  # the images and the spans of `token_ids` they feed (rl.types.Episode.images)
 
 
-def recorded_sequence(records: Mapping[str, ServeRecord] | Sequence[ServeRecord], record_id: str, choice: int = 0) -> RecordedSequence:
-    """Prompt + completion of `record_id`'s choice, with the loss mask and logprobs of every earlier turn it extends."""
+def recorded_sequence(records: Mapping[str, ServeRecord] | Sequence[ServeRecord], record_id: str, choice: int = 0,
+                      record_dir: str | os.PathLike[str] | None = None) -> RecordedSequence:
+    """Prompt + completion of `record_id`'s choice, with the loss mask and logprobs of every earlier turn it extends.
+
+    `record_dir`: the server's `--record-dir`, where the images are; needed when the conversation has images
+    (ValueError naming it otherwise). The images are those of the last turn's prompt, which holds the whole
+    conversation (requests with images are never encoded by reusing an earlier turn's ids)."""
     by_id = records if isinstance(records, Mapping) else {r.id: r for r in records}
     chain: list[tuple[ServeRecord, int]] = []
     rid, ch = record_id, choice
@@ -155,6 +223,15 @@ def recorded_sequence(records: Mapping[str, ServeRecord] | Sequence[ServeRecord]
         ids += c.completion_token_ids
         mask += list(c.loss_mask)
         lps += [0.0 if lp is None else float(lp) for lp in c.logprobs]
-    return RecordedSequence(record_ids=tuple(r.id for r, _ in chain), token_ids=tuple(ids), loss_mask=tuple(mask), logprobs=tuple(lps))
+    last = chain[-1][0]
+    images: tuple[TokenImage, ...] = ()
+    if last.images:
+        if record_dir is None:
+            raise ValueError(f"record {last.id!r} has {len(last.images)} images: pass record_dir (the server's "
+                             "--record-dir, which holds images/) to read them")
+        images = tuple(TokenImage(data=load_image(record_dir, im.sha256), start=im.start, length=im.length)
+                       for im in last.images)
+    return RecordedSequence(record_ids=tuple(r.id for r, _ in chain), token_ids=tuple(ids), loss_mask=tuple(mask),
+                            logprobs=tuple(lps), images=images)
 
 

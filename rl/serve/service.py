@@ -33,7 +33,7 @@ from rl.log import get_logger
 from rl.serve.codec import ServeCodec
 from rl.serve.core import (ApiError, ChatRequest, Choice, Completion, PromptTokens, ServeSettings, TokenHistory, bad, encode_prompt,
                            finish_choice, first_stop)
-from rl.serve.records import Recorder, RecordedChoice, ServeRecord
+from rl.serve.records import RecordedChoice, RecordedImage, Recorder, ServeRecord
 from rl.types import TokenImage
 
 log = get_logger("serve")
@@ -484,7 +484,7 @@ class ChatService:
                 self._remember(prep, c)
         self.requests += 1
         if self.recorder is not None:
-            self.recorder.write(self.record(prep, choices))
+            self.recorder.write(self.record(prep, choices), images=prep.images)
 
     def _remember(self, prep: Prepared, c: Choice) -> None:
         """Keep a finished reply's ids for the next turn, when the codec renders the parsed message back to the
@@ -521,6 +521,7 @@ class ChatService:
                                message=message_json(c.message), parse_errors=c.parse_errors)
                 for c in choices
             ),
+            images=tuple(RecordedImage.of(im) for im in prep.images),
         )
 
     async def complete(self, prep: Prepared, route: str = "") -> tuple[Choice, ...]:

@@ -97,3 +97,46 @@ def test_images_reach_the_model_on_both_routes_and_bad_ones_are_4xx(server):
         r = post(content)
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
     assert post("still fine?").status_code == 200  # the server goes on after every refusal
+
+
+def test_record_dir_keeps_each_request_s_images_so_the_episode_can_be_trained_on(server):
+    """Two turns through the OpenAI client; the second re-sends both images and adds one. Each distinct image is
+    stored once under its sha256; the sequence rebuilt from the record has the images, in order, on spans of
+    placeholders, and collates into a trainer batch whose image mask covers exactly those spans."""
+    import hashlib
+
+    import pytest as _pytest
+
+    from rl.rollout.multimodal import check_spans
+    from rl.serve import read_records, recorded_sequence
+    from rl.trainer.batch import collate
+    from rl.types import Episode
+    from tests.helpers.image_env import png
+
+    a, b, c = png(32, 32, 11), png(64, 32, 12), png(16, 48, 13)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(a)}},
+                                         {"type": "text", "text": "Compare these."},
+                                         {"type": "image_url", "image_url": {"url": _data_url(b)}}]}]
+    r1 = server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content or ""},
+             {"role": "user", "content": [{"type": "text", "text": "And this one?"},
+                                          {"type": "image_url", "image_url": {"url": _data_url(c)}}]}]
+    r2 = server.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    recs = read_records(server.record_dir)
+    rec1, rec2 = (next(r for r in recs if r.id == rid) for rid in (r1.id, r2.id))
+    sha = lambda d: hashlib.sha256(d).hexdigest()  # noqa: E731
+    assert [im.sha256 for im in rec1.images] == [sha(a), sha(b)]
+    assert [im.sha256 for im in rec2.images] == [sha(a), sha(b), sha(c)]
+    assert [im.length for im in rec2.images] == [4, 8, 3]
+    stored = {p.name for p in (server.record_dir / "images").iterdir()}
+    assert {f"{sha(d)}.png" for d in (a, b, c)} <= stored  # once each, whatever the number of turns that sent it
+    with _pytest.raises(ValueError, match="pass record_dir"):
+        recorded_sequence(recs, r2.id)
+    seq = recorded_sequence(recs, r2.id, record_dir=server.record_dir)
+    assert [im.data for im in seq.images] == [a, b, c]
+    check_spans(seq.token_ids, seq.images, chat.IMAGE_ID)  # every placeholder fed by exactly its image
+    assert all(seq.loss_mask[i] == 0 for im in seq.images for i in range(im.start, im.start + im.length))
+    ep = Episode(task_id="served", domain="serve", group_id="g", token_ids=seq.token_ids, loss_mask=seq.loss_mask,
+                 rollout_logprobs=seq.logprobs, messages=(), reward=1.0, images=seq.images)
+    batch = collate([ep], [1.0])
+    assert int(batch.image_mask_BT.sum()) == 4 + 8 + 3 and batch.images_B == (seq.images,)
