@@ -36,13 +36,18 @@ def max_vio_layer(layer: int, domain: str) -> str:
 def split_domain(key: str, domains: Iterable[str]) -> tuple[str, str] | None:
     """(stat, domain) when `key` is `<stat>/<domain>` for one of `domains` (or `all`), else None.
 
-    `domains` should be a set: the last path part is looked up in it, so the cost does not grow with
-    the number of domains."""
-    stat, sep, last = key.rpartition("/")
-    if not sep or not stat:
-        return None
+    `domains` should be a set: name suffixes are looked up in it, so the cost does not grow with the
+    number of domains. A domain name may itself hold `/` (`reward/mean/web/search`): suffixes are tried
+    from the last part outwards and the shortest one that is a domain wins."""
     dom = domains if isinstance(domains, (set, frozenset, Mapping)) else set(domains)
-    return (stat, last) if (last in dom or last == ALL) else None
+    i = key.rfind("/")
+    if i > 0 and key[i + 1:] == ALL:
+        return key[:i], ALL
+    while i > 0:
+        if key[i + 1:] in dom:
+            return key[:i], key[i + 1:]
+        i = key.rfind("/", 0, i)
+    return None
 
 
 @dataclass(frozen=True)
