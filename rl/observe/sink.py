@@ -79,6 +79,8 @@ class MetricsSink:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.layout = layout if layout is not None else layout_of(config)
         self._record = record
+        self._splits: dict[str, tuple[str, str] | None] = {}  # layout_step's split cache, for `_splits_for`
+        self._splits_for: RunRecord | None = None
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._samples = open(self.run_dir / "samples.jsonl", "a", encoding="utf-8")
         self._wandb = None
@@ -120,7 +122,10 @@ class MetricsSink:
     def wandb_payload(self, step: int, values: Mapping[str, float | None],
                       samples: Sequence[Mapping[str, str]] = ()) -> dict[str, Any]:
         """What `log` hands to `wandb.log` for one step: the layout's series, its tables, the samples table."""
-        laid = layout_step(step, values, self.record(tuple(values)), self.layout)
+        rec = self.record(tuple(values))
+        if rec is not self._splits_for:  # the split cache holds answers for one record's domains
+            self._splits, self._splits_for = {}, rec
+        laid = layout_step(step, values, rec, self.layout, splits=self._splits)
         payload: dict[str, Any] = {**laid.scalars, STEP_AXIS: step}
         if laid.domains is not None:
             payload[DOMAIN_TABLE] = _wandb_table(laid.domains)

@@ -120,16 +120,23 @@ def _table(step: int, per_dom: Mapping[str, Mapping[str, float]], row_family: Ma
     return DomainTable(("step", "name", "family", *stats), rows)
 
 
-def layout_step(step: int, values: Mapping[str, float | None], record: RunRecord, layout: WandbLayout) -> WandbStep:
+def layout_step(step: int, values: Mapping[str, float | None], record: RunRecord, layout: WandbLayout, *,
+                splits: dict[str, tuple[str, str] | None] | None = None) -> WandbStep:
     """The step's wandb payload (see the module docstring). `values` may hold None (a non-finite value
-    the sink already turned into JSON null): those are left out of the series and are None in a table."""
+    the sink already turned into JSON null): those are left out of the series and are None in a table.
+    splits: a cache of `names.split_domain` answers for this `record`, kept by the caller across steps
+    (the names repeat every step; at 500 domains the splitting was most of this function's time)."""
     doms = set(record.names)
     family_of = record.family_of()
     n_fam = len(set(family_of.values()))
     scalars: dict[str, float] = {}
     per_dom: dict[str, dict[str, float]] = {}   # stat -> domain -> value
+    cache = splits if splits is not None else {}
     for k, v in values.items():
-        sd = names.split_domain(k, doms) if doms else None
+        if k in cache:
+            sd = cache[k]
+        else:
+            sd = cache[k] = names.split_domain(k, doms) if doms else None
         if sd is None or sd[1] == names.ALL:
             if v is not None:
                 scalars[k] = v

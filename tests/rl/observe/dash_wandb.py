@@ -152,12 +152,12 @@ def read_wandb(run_root: Path) -> WandbRun:
 
 
 # ------------------------------------------------------------------------------------------ measurement
-def measure(n_domains: int, steps: int = 6) -> dict[str, float]:
+def measure(n_domains: int, steps: int = 10) -> dict[str, float]:
     """Log `steps` steps of `n_domains` domains through MetricsSink into JSONL only and into JSONL + an
-    offline wandb run (the domain table every 2nd step: steps 2, 4 are timed with it, 1, 3, 5 without;
+    offline wandb run (the domain table every 2nd step: even steps are timed with it, odd ones without;
     step 0 is warm-up), then read the wandb run back. Times are the median ms of a whole `sink.log`."""
     from rl.observe.sink import MetricsSink
-    from rl.observe.wandb_layout import DOMAIN_TABLE, WandbLayout
+    from rl.observe.wandb_layout import DOMAIN_TABLE, WandbLayout, layout_step
     from rl.types import StepMetrics
 
     rec = many_record(n_domains, families=min(n_domains, len(FAMILIES)))
@@ -174,6 +174,11 @@ def measure(n_domains: int, steps: int = 6) -> dict[str, float]:
         sink.close()
         return out
 
+    t_layout, splits = [], {}
+    for s, v in enumerate(vals):
+        t = time.perf_counter()
+        layout_step(s, v, rec, WandbLayout(table_every=2), splits=splits)
+        t_layout.append(1000 * (time.perf_counter() - t))
     with tempfile.TemporaryDirectory() as td:
         t_jsonl = timed_run(td, "disabled")
     with tempfile.TemporaryDirectory() as td:
@@ -184,7 +189,7 @@ def measure(n_domains: int, steps: int = 6) -> dict[str, float]:
         return {"domains": n_domains, "names_per_step": len(vals[0]), "series": len(run.scalar_series()),
                 "table_rows": len(tab["data"]) if tab else 0, "table_cols": len(tab["columns"]) if tab else 0,
                 "table_kb": (sum(p.stat().st_size for p in tables) / len(tables) / 1024) if tables else 0.0,
-                "jsonl_ms": statistics.median(t_jsonl[1:]),
+                "layout_ms": statistics.median(t_layout[1:]), "jsonl_ms": statistics.median(t_jsonl[1:]),
                 "wandb_ms": statistics.median(t_wb[1::2]), "wandb_table_ms": statistics.median(t_wb[2::2])}
 
 
@@ -192,8 +197,8 @@ if __name__ == "__main__":
     os.environ.setdefault("WANDB_MODE", "offline")
     torch.set_num_threads(1)
     print(f"{'domains':>7} {'names/step':>10} {'series':>6} {'table rows x cols':>17} {'table KB':>8} "
-          f"{'log ms: jsonl':>13} {'+wandb':>7} {'+wandb+table':>12}")
+          f"{'layout ms':>9} {'log ms: jsonl':>13} {'+wandb':>7} {'+wandb+table':>12}")
     for n in (4, 100, 500):
         r = measure(n)
         print(f"{r['domains']:>7} {r['names_per_step']:>10} {r['series']:>6} {r['table_rows']:>8} x {r['table_cols']:<6} "
-              f"{r['table_kb']:>8.0f} {r['jsonl_ms']:>13.1f} {r['wandb_ms']:>7.1f} {r['wandb_table_ms']:>12.1f}")
+              f"{r['table_kb']:>8.0f} {r['layout_ms']:>9.1f} {r['jsonl_ms']:>13.1f} {r['wandb_ms']:>7.1f} {r['wandb_table_ms']:>12.1f}")

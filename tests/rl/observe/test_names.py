@@ -40,3 +40,12 @@ def test_split_domain_knows_only_the_given_domains():
 def test_legacy_domains_are_reward_series_only():
     keys = ["reward/mean/terminal", "reward/mean/all", "episode/wall_s/max", "tokens/response/mean", "moe/load_e000/x"]
     assert names.legacy_domains(keys) == ("terminal",)
+
+
+def test_split_domain_takes_domains_holding_a_slash():
+    doms = {"web/search", "max", "b"}
+    assert names.split_domain("reward/mean/web/search", doms) == ("reward/mean", "web/search")
+    assert names.split_domain("episode/wall_s/max", doms) == ("episode/wall_s", "max")  # `max` is a domain here
+    assert names.split_domain("reward/mean/a/b", doms) == ("reward/mean/a", "b")  # the shortest suffix wins
+    assert names.split_domain("train/grad_norm", doms) is None
+    assert names.split_domain("web/search", doms) is None  # a domain alone has no stat

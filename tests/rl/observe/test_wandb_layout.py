@@ -72,6 +72,15 @@ def test_family_rollups_are_the_mean_or_sum_over_the_family_domains():
     assert laid.scalars[f"{FAMILY}/sampler/weight/algebra"] == pytest.approx(5 / 60)  # 5 of 60 domains, 1/60 each
 
 
+def test_the_split_cache_gives_the_same_layout():
+    rec, v0 = _step(30)
+    _, v1 = _step(30, step=1)
+    cache: dict = {}
+    for s, v in enumerate((v0, v1)):
+        assert layout_step(s, v, rec, WandbLayout(), splits=cache) == layout_step(s, v, rec, WandbLayout())
+    assert len(cache) == len(set(v0) | set(v1))
+
+
 def test_many_families_go_to_a_family_table_instead_of_series():
     rec, vals = _step(60, families=30)  # 30 families > table_above
     laid = layout_step(0, vals, rec, WandbLayout(table_above=12))
