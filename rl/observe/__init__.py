@@ -5,6 +5,7 @@
     telemetry.py      per-domain rollout / train-inference gap / PPO-ratio metrics and the step-time split
     moe.py            per-domain MoE telemetry (expert load, MaxVio, router entropy, aux / z, replay mismatch, MI)
     sink.py           where metrics go: metrics.jsonl, samples.jsonl, wandb; the progress-bar text
+    wandb_layout.py   what wandb gets at many domains: roll-up series, every domain's values in a table
     report_data.py    `load_run`: a run directory as one typed `RunData`
     svg.py            inline-SVG chart primitives
     report_domains.py the report's per-family / per-domain sections for hundreds of domains

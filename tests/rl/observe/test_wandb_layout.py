@@ -167,6 +167,7 @@ def test_the_sink_takes_the_domains_from_run_json(tmp_path):
 @pytest.mark.slow
 def test_500_domains_offline_wandb_run_has_bounded_series_and_every_domain_in_the_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))  # wandb's artifact staging copies of the tables
     rec = RunRecord(many_record(500).domains, steps=3)
     rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
     steps = [step_values(rec, s, rng, gen) for s in range(3)]
