@@ -50,7 +50,7 @@ except the judge, loaded by file path.
 
     .venv/bin/python scripts/bench_trl.py [--dataset basic_arithmetic] [--prompts 4] [--generations 4]
         [--max-new-tokens 64] [--steps 3] [--warmup 1] [--micro-batch 2] [--lr 1e-6] [--seed 0]
-        [--model smollm2-135m] [--trl-threads 1]
+        [--model smollm2-135m] [--trl-threads 1] [--jointrl-threads 1]
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ class BenchSpec:
     seed: int = 0                      # jointrl's envs/model seed (its sampler's task order) and TRL's seed
     model: str = "smollm2-135m"        # a `jointrl models pull` name
     trl_threads: int = 1               # torch threads of the TRL process; 0 = torch's default (one per core)
+    jointrl_threads: int = 1           # jointrl's trainer.threads_per_rank and rollout.threads_per_worker
     out: str = "runs/bench-trl"        # run directories and results.json
 
     @property
@@ -135,6 +136,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
     p.add_argument("--model", default=d.model, help="a `jointrl models pull` name (a checkpoint both sides load)")
     p.add_argument("--trl-threads", type=int, default=d.trl_threads,
                    help="torch threads of the TRL process (0: torch's default, one per core); see docs/peers.md")
+    p.add_argument("--jointrl-threads", type=int, default=d.jointrl_threads,
+                   help="torch threads of jointrl's trainer rank and of its rollout engine (trainer.threads_per_rank, "
+                        "rollout.threads_per_worker); the two never run at once in a synchronous step")
     p.add_argument("--out", default=d.out, help="where run directories and results.json go (relative: to the repo)")
     p.add_argument("--trl-worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)  # internal: the TRL side
     a = p.parse_args(argv)
@@ -143,6 +147,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.jointrl_threads < 1:
+        p.error(f"--jointrl-threads must be >= 1, got {a.jointrl_threads}")
     if a.trl_threads < 0:
         p.error(f"--trl-threads must be >= 0 (0: torch's default), got {a.trl_threads}")
     if a.micro_batch < 1 or (a.prompts * a.generations) % a.micro_batch:
@@ -159,7 +165,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
     return BenchSpec(dataset=a.dataset, prompts=a.prompts, generations=a.generations, max_new_tokens=a.max_new_tokens,
                      steps=a.steps, warmup=a.warmup, micro_batch=a.micro_batch, temperature=a.temperature, lr=a.lr,
                      seed=a.seed, model=a.model,
-                     trl_threads=a.trl_threads, out=a.out)
+                     trl_threads=a.trl_threads, jointrl_threads=a.jointrl_threads, out=a.out)
 
 
 def jointrl_overrides(spec: BenchSpec, model_dir: Path, run_dir: Path) -> list[str]:
@@ -180,6 +186,7 @@ def jointrl_overrides(spec: BenchSpec, model_dir: Path, run_dir: Path) -> list[s
         "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         f"trainer.lr={spec.lr}", "trainer.weight_decay=0.0", "trainer.grad_clip=1.0", "trainer.warmup_steps=0",
         f"trainer.tasks_per_step={spec.prompts}", f"trainer.micro_batch_size={spec.micro_batch}",
+        f"trainer.threads_per_rank={spec.jointrl_threads}", f"rollout.threads_per_worker={spec.jointrl_threads}",
         f"trainer.steps={spec.total_steps}", "trainer.sft_steps=0", "trainer.checkpoint_every=0", "trainer.resume=false",
         "eval.n_per_domain=1", "eval.samples=1",
         f"logging.samples_per_domain={spec.batch}", "logging.wandb_mode=disabled",

@@ -45,9 +45,10 @@ def test_defaults_are_the_spec_defaults():
 def test_every_flag_reaches_the_spec():
     s = b.parse_args(["--dataset", "chain_sum", "--prompts", "3", "--generations", "5", "--max-new-tokens", "32",
                       "--steps", "2", "--warmup", "0", "--micro-batch", "5", "--temperature", "0.7", "--lr", "3e-6", "--seed", "7",
-                      "--model", "smollm2-135m-moe", "--trl-threads", "0", "--out", "/tmp/x"])
+                      "--model", "smollm2-135m-moe", "--trl-threads", "0", "--jointrl-threads", "2", "--out", "/tmp/x"])
     assert s == b.BenchSpec(dataset="chain_sum", prompts=3, generations=5, max_new_tokens=32, steps=2, warmup=0,
-                            micro_batch=5, temperature=0.7, lr=3e-6, seed=7, model="smollm2-135m-moe", trl_threads=0, out="/tmp/x")
+                            micro_batch=5, temperature=0.7, lr=3e-6, seed=7, model="smollm2-135m-moe", trl_threads=0,
+                            jointrl_threads=2, out="/tmp/x")
     assert (s.env_id, s.batch, s.total_steps) == ("rg-chain_sum-v0", 15, 2)
     assert s.out_dir() == Path("/tmp/x") and b.BenchSpec(out="runs/r").out_dir() == REPO / "runs" / "r"
 
@@ -63,6 +64,7 @@ def test_every_flag_reaches_the_spec():
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--lr=-1e-6"], "--lr must be > 0"),
     (["--trl-threads", "-2"], "--trl-threads must be >= 0"),
+    (["--jointrl-threads", "0"], "--jointrl-threads must be >= 1"),
     (["--dataset", "../etc"], "--dataset must be a reasoning-gym dataset name"),
     (["--prompts", "two"], "invalid int value"),
 ])
@@ -73,7 +75,7 @@ def test_bad_arguments_are_refused_with_the_reason(argv, says, capsys):
     assert says in capsys.readouterr().err
 
 
-SPEC = b.BenchSpec(dataset="chain_sum", prompts=3, generations=5, max_new_tokens=32, steps=2, warmup=2,
+SPEC = b.BenchSpec(dataset="chain_sum", prompts=3, generations=5, max_new_tokens=32, steps=2, warmup=2, jointrl_threads=2,
                    micro_batch=5, temperature=0.7, lr=3e-6, seed=7)
 
 
@@ -92,6 +94,7 @@ def test_jointrl_overrides_make_a_valid_run_with_the_shared_settings(tmp_path):
     assert (cfg.model.dtype, cfg.rollout.dtype) == ("float32", "float32")
     assert (cfg.algorithm.dynamic_sampling, cfg.algorithm.kl_coef, cfg.trainer.resume) == ("off", 0.0, False)
     assert cfg.logging.samples_per_domain == 15  # every episode's task id is logged, to check the replay
+    assert (cfg.trainer.threads_per_rank, cfg.rollout.threads_per_worker) == (SPEC.jointrl_threads,) * 2
 
 
 def test_trl_gets_the_same_settings_as_jointrl(tmp_path):
