@@ -218,9 +218,11 @@ def write_eval_json(path: Path, env_ids: dict[str, str], before: Sequence[EvalRo
 
 
 def print_eval_table(run_dir: Path, before: Sequence[EvalRow], after: Sequence[EvalRow], env_ids: dict[str, str] | None = None,
-                     control: Sequence[EvalRow] | None = None, rl_seconds: float | None = None) -> None:
-    """Print the before/after (| SFT control) table; write RUN_DIR/eval_table.txt and RUN_DIR/eval.json."""
-    title = "held-out evaluation: before RL (after SFT) | after RL" + (" | SFT continued for RL's wall time" if control else "")
+                     control: Sequence[EvalRow] | None = None, rl_seconds: float | None = None, sft: bool = True) -> None:
+    """Print the before/after (| SFT control) table; write RUN_DIR/eval_table.txt and RUN_DIR/eval.json.
+    `sft`: whether a supervised warm start ran before the "before" evaluation (it names the column)."""
+    title = ("held-out evaluation: before RL" + (" (after SFT)" if sft else "") + " | after RL"
+             + (" | SFT continued for RL's wall time" if control else ""))
     text = title + "\n" + format_eval_table(before, after, control)
     print(text, flush=True)
     (Path(run_dir) / "eval_table.txt").write_text(text + "\n")

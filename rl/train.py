@@ -118,7 +118,7 @@ def rl_steps(rt, cfg: RunConfig) -> float:
             values = rt.trainer.values(batch) if rt.has_critic else None    # V(s_t) per generated token (PPO critic)
             batch, adv_m = with_advantages(batch, cfg.algorithm, values)    # token-level advantages (+ GAE returns)
             ds_m.update(adv_m)
-            in_flight.append(rt.submit_train(batch, kept))                 # old logprobs (+ routes), the update, the critic
+            in_flight.append(rt.submit_train(batch, kept))                 # the update (pi_old from its forward), the critic
         while len(in_flight) > lag:                                        # bounded staleness
             train_m = in_flight.popleft().finish()
             sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines
@@ -188,7 +188,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         if cfg.eval.sft_control:
             summary["sft_control"] = sft_control(rt, cfg, rl_seconds)
         print_eval_table(rt.run_dir, summary["before"], summary["after"], rt.env_ids, control=summary.get("sft_control"),
-                         rl_seconds=rl_seconds)
+                         rl_seconds=rl_seconds, sft=cfg.trainer.sft_steps > 0)
         write_family_summary(rt.run_dir, record.family_of(), cfg.envs.weights, summary["before"], summary["after"])
         return summary
     finally:

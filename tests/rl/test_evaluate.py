@@ -104,3 +104,15 @@ def test_table_shows_the_sft_control_arm():
     assert "sft ctl" in text.splitlines()[0]
     q = paired_diff(c.task_success, a.task_success)
     assert f"{q.mean:+.3f}" in text.splitlines()[-1] and f"{q.t:.2f}" in text.splitlines()[-1]
+
+
+def test_the_title_says_after_sft_only_when_sft_ran(tmp_path, capsys):
+    from rl.evaluate import print_eval_table
+
+    b = EvalRow("terminal", "low", 2, 0.5, 0.5, 10.0, 1.0, task_success=(0.0, 1.0))
+    a = EvalRow("terminal", "low", 2, 1.0, 1.0, 10.0, 1.0, task_success=(1.0, 1.0))
+    for sft, title in ((True, "held-out evaluation: before RL (after SFT) | after RL"),
+                       (False, "held-out evaluation: before RL | after RL")):
+        print_eval_table(tmp_path, [b], [a], {"terminal": "terminal-v0"}, sft=sft)
+        assert (tmp_path / "eval_table.txt").read_text().splitlines()[0] == title
+        assert capsys.readouterr().out.splitlines()[0] == title
