@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rl.config import LoggingSection
 from rl.log import get_logger
 from rl.observe import names
 from rl.observe.record import DomainInfo, RunRecord, read_run_record
@@ -37,16 +38,16 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def layout_of(config: Mapping[str, Any] | None) -> WandbLayout:
-    """The wandb layout from a run config as `rl.config.to_dict` writes it (the `logging.wandb_*` keys,
-    already validated by the config loader); the defaults when it has no logging section."""
+def layout_of(section: LoggingSection) -> WandbLayout:
+    """The wandb layout the run's `logging.wandb_*` keys ask for (documented on LoggingSection)."""
+    return WandbLayout(section.wandb_per_domain, section.wandb_table_above, section.wandb_table_every)
+
+
+def _layout_from_run_config(config: Mapping[str, Any] | None) -> WandbLayout:
+    # The runtime hands the sink the run config as `rl.config.to_dict` writes it (for wandb's config
+    # panel); its logging section is rebuilt as the typed LoggingSection, which checks the values again.
     sec = (config or {}).get("logging")
-    if not isinstance(sec, Mapping):
-        return WandbLayout()
-    d = WandbLayout()
-    return WandbLayout(per_domain=sec.get("wandb_per_domain", d.per_domain),
-                       table_above=int(sec.get("wandb_table_above", d.table_above)),
-                       table_every=int(sec.get("wandb_table_every", d.table_every)))
+    return layout_of(LoggingSection(**sec)) if isinstance(sec, Mapping) else WandbLayout()
 
 
 def _wandb_table(t: DomainTable):
@@ -67,8 +68,8 @@ def _wandb_table(t: DomainTable):
 class MetricsSink:
     """metrics.jsonl + samples.jsonl in `run_dir`, mirrored to wandb (see the module docstring).
 
-    layout: how per-domain metrics go to wandb; None takes it from `config` (the run config the runtime
-    hands over for wandb's config panel, see `layout_of`). record: the run's domains and families; None
+    layout: how per-domain metrics go to wandb; None takes it from `config`'s logging section (the run
+    config the runtime hands over for wandb's config panel). record: the run's domains and families; None
     reads RUN_DIR/run.json at the first step that finds it (before that, and for runs without one, the
     domains are those with a `reward/mean/<domain>` value in the step, `names.legacy_domains`)."""
 
@@ -77,7 +78,7 @@ class MetricsSink:
                  layout: WandbLayout | None = None, record: RunRecord | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.layout = layout if layout is not None else layout_of(config)
+        self.layout = layout if layout is not None else _layout_from_run_config(config)
         self._record = record
         self._splits: dict[str, tuple[str, str] | None] = {}  # layout_step's split cache, for `_splits_for`
         self._splits_for: RunRecord | None = None

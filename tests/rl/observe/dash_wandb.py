@@ -90,6 +90,8 @@ def wandb_records(path: Path):
         if kind == 0 and n == 0:  # zero-filled tail
             pos += left
             continue
+        if pos + _HDR + n > len(data):  # a record wandb is still writing
+            return
         chunk = data[pos + _HDR:pos + _HDR + n]
         pos += _HDR + n
         if kind == _FULL:
@@ -128,12 +130,23 @@ class WandbRun:
         return json.loads((self.run_dir / "files" / ref["path"]).read_text())
 
 
-def read_wandb(run_root: Path) -> WandbRun:
-    """The single offline run under `run_root/wandb/`."""
+def read_wandb(run_root: Path, *, wait_s: float = 60.0) -> WandbRun:
+    """The single offline run under `run_root/wandb/`, once its file ends with the run's `exit` record.
+
+    `run.finish()` can return before wandb's writer has flushed the file's last records (seen under load:
+    a run read at once lacked its last history row), so this re-reads until the exit record is there."""
     (rd,) = sorted((run_root / "wandb").glob("offline-run-*"))
     (f,) = sorted(rd.glob("*.wandb"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        recs = list(wandb_records(f))
+        if recs and recs[-1].WhichOneof("record_type") == "exit":
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{f}: no exit record after {wait_s:.0f} s ({len(recs)} records)")
+        time.sleep(0.2)
     out = WandbRun(run_dir=rd)
-    for rec in wandb_records(f):
+    for rec in recs:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             row: dict[str, object] = {}

@@ -133,9 +133,9 @@ def test_config_keys_are_validated_with_the_key_and_allowed_values():
 
 def test_the_sink_reads_its_layout_from_the_run_config(tmp_path):
     cfg = load_config(None, ["logging.wandb_per_domain=table", "logging.wandb_table_above=3", "logging.wandb_table_every=2"])
-    assert layout_of(to_dict(cfg)) == WandbLayout("table", 3, 2)
-    assert layout_of(to_dict(load_config(None, []))) == WandbLayout()  # defaults agree with the config's
-    assert LoggingSection().wandb_table_every == WandbLayout().table_every
+    assert layout_of(cfg.logging) == WandbLayout("table", 3, 2)
+    assert layout_of(LoggingSection()) == WandbLayout()  # the defaults agree with the config's
+    assert MetricsSink(tmp_path / "c", wandb_mode="disabled", config=to_dict(cfg)).layout == WandbLayout("table", 3, 2)
     # and the layout has its effect: the same 20-domain step with the two settings
     rec, vals = _step(20)
     sink = MetricsSink(tmp_path, wandb_mode="disabled", config=to_dict(cfg), record=rec)
