@@ -4,9 +4,10 @@
 rollout samples to RUN_DIR/samples.jsonl, and mirrors both to wandb (samples as a table) unless
 wandb is disabled. What wandb gets is laid out by rl/observe/wandb_layout.py: every name a series for a
 few domains; at hundreds of domains the roll-ups as series and every domain's values in one table a
-step. All series are plotted against `train/step` (declared with `define_metric`), so a row logged at
-an earlier step than wandb's own counter (the updates the driver drains after its loop) is kept, not
-dropped. `progress_text` is the one-line console summary for the driver's progress bar.
+step. All series are plotted against `train/step` (declared with `define_metric`) and every `log` is
+a row of its own, so a second row at the same step (the update the driver drains after its loop) is not
+merged into the first, as wandb's `step=` would. `progress_text` is the one-line console summary for the
+driver's progress bar.
 
 It does not compute metrics: the driver and rl/observe/telemetry.py do. The run's typed record of
 domains and families is rl/observe/record.py; the sink reads it from RUN_DIR/run.json (the driver
