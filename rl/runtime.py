@@ -25,7 +25,7 @@ import torch
 from jointrl.records import Task
 from rl.config import NODE_RESOURCE_UNIT, ConfigError, ModelSection, RunConfig, to_dict
 from rl.log import get_logger
-from rl.observe.sink import MetricsSink
+from rl.observe.sink import MetricsSink, layout_of
 from rl.types import Episode, RolloutGroup
 
 log = get_logger("runtime")
@@ -249,7 +249,7 @@ class Runtime:
             self._start_trainer(init_dir, resume)
         self._start_rollout(serve_dir)
         self.sink = MetricsSink(self.run_dir, wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
-                                run_name=cfg.name, config=to_dict(cfg))
+                                run_name=cfg.name, config=to_dict(cfg), layout=layout_of(cfg.logging))
         if resume:
             self._resume()
             # The engine started from the checkpoint's full-precision export; an uninterrupted run's

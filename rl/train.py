@@ -131,7 +131,7 @@ def rl_steps(rt, cfg: RunConfig) -> float:
         values.update({f"sampler/weight/{d}": w for d, w in rt.sampler.weights.items()})
         rt.sink.log(StepMetrics(step=step, values=values, samples=rt.samples_for_log(groups)))   # log
         bar.set_postfix_str(progress_text(step, cfg.trainer.steps, values, elapsed_s=time.perf_counter() - t_run,
-                                          steps_done=step + 1 - rt.start_step))
+                                          steps_done=step + 1 - rt.start_step, domains=rt.domains))
         if cfg.trainer.checkpoint_every and (step + 1) % cfg.trainer.checkpoint_every == 0:
             drain(rt, in_flight, step)                                     # a checkpoint holds finished updates
             rt.rl_seconds = before + time.perf_counter() - t_run
