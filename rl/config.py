@@ -254,8 +254,16 @@ class LoggingSection:
     # Log the domain table every k-th step and at the last planned step. At 500 domains a table is ~0.43 MB and
     # ~0.3 s of wandb's time (docs/dashboards.md); every step's values are in metrics.jsonl and the report anyway.
     wandb_table_every: int = 10
+    # The engine-vs-trainer logprob check after a weight sync (Runtime.measure_gap: the engine and the trainer
+    # each score a few of the step's episodes, `mismatch/logprob_abs_{mean,max}`) runs at steps 0, k, 2k, ...
+    # 1: every step. 0: never (the train-time `mismatch/*/<domain>` gap of each update is logged regardless).
+    # On a 2-core CPU it is ~10% of a small step (docs/peers.md).
+    gap_every: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.gap_every, bool) or not isinstance(self.gap_every, int) or self.gap_every < 0:
+            raise ConfigError(f"config key 'logging.gap_every': value {self.gap_every!r} must be an integer >= 0 "
+                              "(0: never, k: every k-th step)")
         if self.wandb_table_above < 0:
             raise ConfigError(f"config key 'logging.wandb_table_above': value {self.wandb_table_above} must be >= 0")
         if self.wandb_table_every < 1:

@@ -123,7 +123,8 @@ def rl_steps(rt, cfg: RunConfig) -> float:
             train_m = in_flight.popleft().finish()
             sync_m = rt.sync_weights()                                     # push the new weights to the rollout engines
         t_train = time.perf_counter()
-        gap_m = rt.measure_gap(groups) if sync_m else {}                   # engine vs trainer logprobs on the same tokens
+        every = cfg.logging.gap_every
+        gap_m = rt.measure_gap(groups) if sync_m and every and step % every == 0 else {}   # engine vs trainer, same tokens
         time_m = time_breakdown(groups, step_s=time.perf_counter() - t0, rollout_s=t_roll - t0,
                                 train_busy_s=train_m.get("train/busy_s", 0.0), sync_s=sync_m.get("sync/seconds", 0.0))
         values = {**roll_m, **ds_m, **train_m, **sync_m, **gap_m, **time_m,

@@ -51,6 +51,7 @@ def test_yaml_then_override(tmp_path):
         ("envs.weights.swe=-1", ["envs.weights.swe", "-1"]),
         ("rollout.enforce_eager=maybe", ["rollout.enforce_eager", "'maybe'"]),
         ("trainer=3", ["trainer", "section"]),
+        ("logging.gap_every=-1", ["logging.gap_every", "-1", "integer >= 0"]),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(override, needles):

@@ -32,6 +32,7 @@ def _cfg(model_dir: Path, run_dir: Path, steps: int):
         "algorithm.group_size=2", "algorithm.dynamic_sampling=off",
         "trainer.sft_steps=2", "trainer.tasks_per_step=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         f"trainer.steps={steps}", "trainer.checkpoint_every=1", "logging.wandb_mode=disabled",
+        "logging.gap_every=2",  # the post-sync engine-vs-trainer check at steps 0 and 2, not 1
     ])
 
 
@@ -91,9 +92,12 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     assert [r["step"] for r in rl_rows] == [0, 1, 2]
     for r in rl_rows:
         assert "reward/mean/browse" in r and "tokens/response_mean/terminal" in r
-        # the engine serves exactly the trainer's weights (fp32 both sides)
-        assert r["mismatch/logprob_abs_mean"] < 2e-3, r["mismatch/logprob_abs_mean"]
-        assert r["mismatch/logprob_abs_max"] < 2e-2
+        # the engine serves exactly the trainer's weights (fp32 both sides), checked every 2nd step
+        if r["step"] % 2 == 0:
+            assert r["mismatch/logprob_abs_mean"] < 2e-3, r["mismatch/logprob_abs_mean"]
+            assert r["mismatch/logprob_abs_max"] < 2e-2
+        else:
+            assert "mismatch/logprob_abs_mean" not in r and "mismatch/logprob_abs_max" not in r
         assert r["policy/version"] >= 1
         assert r["trainer/world_size"] == 1 and r["rollout/max_staleness_seen"] == 0  # sync mode: no lag
         # the step-time breakdown is logged every step and adds up
