@@ -194,3 +194,20 @@ def logits_window(loss_mask_BT: torch.Tensor) -> int:
     if cols.numel() == 0:
         return T
     return T - max(int(cols[0]) - 1, 0)
+
+
+def image_inputs(batch: TrainBatch, lm_config: object, role: str = "policy") -> dict:
+    """`pixel_values` (one [C, H, W] per image, row-major, as the placeholders come) and `image_mask` of a
+    micro-batch with images, for a forward of the policy, the reference or the critic; {} for a text-only one.
+    Decoded per forward: a PNG of a few KB decodes in well under a millisecond, and the batch stays bytes
+    (cheap to shard and ship). ValueError when the batch carries images and `role`'s model has no vision tower."""
+    if batch.image_mask_BT is None or not bool(batch.image_mask_BT.any()):
+        return {}
+    from model.vision import VisionSpec, decode_image, pixel_tensor
+
+    spec = VisionSpec.from_config(lm_config)
+    if spec is None:
+        raise ValueError(f"the batch carries images but the {role} has no vision tower")
+    dev = batch.input_ids_BT.device
+    pixels = [pixel_tensor(decode_image(im.data, spec)).to(dev) for row in batch.images_B for im in row]
+    return {"pixel_values": pixels, "image_mask": batch.image_mask_BT.to(dev)}

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rl.trainer.batch import TrainBatch, micro_batches
+from rl.trainer.batch import TrainBatch, image_inputs, micro_batches
 
 
 @dataclass(frozen=True)
@@ -68,22 +68,6 @@ class ValueModel(nn.Module):
         return values_BT, out.logits.float().sum() * 0.0
 
 
-def image_inputs(batch: TrainBatch, lm_config: Any) -> dict[str, Any]:
-    """`pixel_values` (one [C, H, W] per image, row-major, as the placeholders come) and `image_mask` of a
-    micro-batch with images, as the policy trainer passes them (rl/trainer/policy.py); {} for a text-only one.
-    ValueError when the batch carries images and the model has no vision tower."""
-    if batch.image_mask_BT is None or not bool(batch.image_mask_BT.any()):
-        return {}
-    from model.vision import VisionSpec, decode_image, pixel_tensor
-
-    spec = VisionSpec.from_config(lm_config)
-    if spec is None:
-        raise ValueError("the batch carries images but the critic's model has no vision tower")
-    dev = batch.input_ids_BT.device
-    pixels = [pixel_tensor(decode_image(im.data, spec)).to(dev) for row in batch.images_B for im in row]
-    return {"pixel_values": pixels, "image_mask": batch.image_mask_BT.to(dev)}
-
-
 def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
     """1 - Var(R - V) / Var(R) over the masked tokens: 1 for a perfect critic, 0 for one no better
     than a constant, negative for a worse one. Of the values the advantages were computed with."""
@@ -109,7 +93,7 @@ class CriticTrainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
 
     def _image_inputs(self, mb: TrainBatch) -> dict[str, Any]:
-        return image_inputs(mb, self.engine.module.lm.config)
+        return image_inputs(mb, self.engine.module.lm.config, "critic's model")
 
     def _micro_batches(self, batch: TrainBatch, n_micro: int, pad_only: bool) -> list[tuple[TrainBatch, bool]]:
         return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)

@@ -24,7 +24,7 @@ import torch
 from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
-from rl.trainer.batch import TrainBatch, logits_window, micro_batches, token_logprobs
+from rl.trainer.batch import TrainBatch, image_inputs, logits_window, micro_batches, token_logprobs
 from rl.trainer.lora import LoraSpec
 
 log = get_logger("trainer")
@@ -239,19 +239,7 @@ class PolicyTrainer:
             hooks.set_replay(None)
 
     def _image_inputs(self, batch: TrainBatch) -> dict:
-        """`pixel_values` (one [C, H, W] per image, row-major, as the placeholders come) and `image_mask` of a
-        micro-batch with images; {} for a text-only one. Decoded here, per forward: a PNG of a few KB
-        decodes in well under a millisecond, and the batch stays bytes (cheap to shard and ship)."""
-        if batch.image_mask_BT is None or not bool(batch.image_mask_BT.any()):
-            return {}
-        from model.vision import VisionSpec, decode_image, pixel_tensor
-
-        spec = VisionSpec.from_config(self.module.config)
-        if spec is None:
-            raise ValueError("the batch carries images but the policy has no vision tower")
-        pixels = [pixel_tensor(decode_image(im.data, spec)) for row in batch.images_B for im in row]
-        dev = batch.input_ids_BT.device
-        return {"pixel_values": [p.to(dev) for p in pixels], "image_mask": batch.image_mask_BT.to(dev)}
+        return image_inputs(batch, self.module.config, "policy")
 
     def _hooks_of(self, module: torch.nn.Module | None) -> RouterHooks | None:
         return self._hooks.get(id(module if module is not None else self.module))
