@@ -5,17 +5,22 @@ from __future__ import annotations
 from envs.base import ToolEnv
 
 
-def make_env(*, backend=None, sandbox_limits=None, grade_limits=None, **env_kwargs) -> ToolEnv:
-    """`envs.make("swe-v0", backend=..., sandbox_limits=..., grade_limits=..., limits=..., ...)`."""
-    from envs.swe.domain import SweDomain
-
+def domain_limits(sandbox_limits=None, grade_limits=None) -> dict:
+    """The limit keywords of a SWE domain, given only where the caller set them (the domain keeps its defaults)."""
     kw = {}
     if sandbox_limits is not None:
         kw["sandbox_limits"] = sandbox_limits
     if grade_limits is not None:
         kw["grade_limits"] = grade_limits
+    return kw
+
+
+def make_env(*, backend=None, sandbox_limits=None, grade_limits=None, **env_kwargs) -> ToolEnv:
+    """`envs.make("swe-v0", backend=..., sandbox_limits=..., grade_limits=..., limits=..., ...)`."""
+    from envs.swe.domain import SweDomain
+
     env_kwargs.setdefault("grade_timeout_s", 180.0)
-    return ToolEnv(SweDomain(backend=backend, **kw), **env_kwargs)
+    return ToolEnv(SweDomain(backend=backend, **domain_limits(sandbox_limits, grade_limits)), **env_kwargs)
 
 
 def register() -> None:

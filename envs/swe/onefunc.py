@@ -69,13 +69,10 @@ class ToolSubsetEnv(ToolEnv):
 
 def make_env(*, backend=None, sandbox_limits=None, grade_limits=None, **env_kwargs) -> ToolEnv:
     """`envs.make("swe-onefunc-v0", backend=..., sandbox_limits=..., grade_limits=..., limits=..., ...)`."""
-    kw = {}
-    if sandbox_limits is not None:
-        kw["sandbox_limits"] = sandbox_limits
-    if grade_limits is not None:
-        kw["grade_limits"] = grade_limits
+    from envs.swe import domain_limits
+
     env_kwargs.setdefault("grade_timeout_s", 180.0)
-    return ToolSubsetEnv(OneFuncDomain(backend=backend, **kw), TOOLS, **env_kwargs)
+    return ToolSubsetEnv(OneFuncDomain(backend=backend, **domain_limits(sandbox_limits, grade_limits)), TOOLS, **env_kwargs)
 
 
 def user_prompt(inst: OB.OneFuncInstance) -> str:
