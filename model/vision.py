@@ -29,11 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# Largest image side accepted, in pixels. A 512 x 512 image at patch 16 is 1024 placeholder tokens:
-# past that an image crowds out the conversation in the context sizes this project trains at.
-MAX_IMAGE_SIDE = 512
-# Most images one prompt may carry (vLLM's per-prompt limit for the model and the serving routes' limit).
-MAX_IMAGES_PER_PROMPT = 8
+from jointrl.limits import MAX_IMAGE_SIDE, MAX_IMAGES_PER_PROMPT
+
 
 
 class ImageError(ValueError):

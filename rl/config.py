@@ -109,7 +109,7 @@ class RolloutSection:
     node_resource: str = ""
     # Images one episode may show the policy (task views, tool results; docs/multimodal.md). 0: text only,
     # and messages' images reach the policy as a one-line text note. > 0 needs a model with a vision tower
-    # (HybridMoe) and the jointrl chat codec; at most model.vision.MAX_IMAGES_PER_PROMPT.
+    # (HybridMoe) and the jointrl chat codec; at most jointrl.limits.MAX_IMAGES_PER_PROMPT.
     max_images_per_prompt: int = 0
     # What an image shows the policy: "real" pixels, or "blank" (every pixel mid-grey, same size and
     # placeholders): the control arm that measures whether the policy uses what it sees.
@@ -504,7 +504,7 @@ def validate(cfg: RunConfig) -> None:
     if not (0.0 <= cfg.algorithm.gamma <= 1.0 and 0.0 <= cfg.algorithm.lam <= 1.0):
         raise ConfigError(f"config keys 'algorithm.gamma' / 'algorithm.lam': {cfg.algorithm.gamma} / {cfg.algorithm.lam} "
                           "must each be in [0, 1]")
-    from model.vision import MAX_IMAGES_PER_PROMPT
+    from jointrl.limits import MAX_IMAGES_PER_PROMPT
     from rl.rollout import codec
 
     if not 0 <= cfg.rollout.max_images_per_prompt <= MAX_IMAGES_PER_PROMPT:

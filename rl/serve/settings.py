@@ -66,7 +66,7 @@ class ServeSettings:
         for key in ("max_n", "max_body_bytes", "max_messages", "max_running"):
             if getattr(self, key) < 1:
                 raise ServeError(f"ServeSettings.{key} must be >= 1, got {getattr(self, key)}")
-        from model.vision import MAX_IMAGES_PER_PROMPT
+        from jointrl.limits import MAX_IMAGES_PER_PROMPT
 
         if not 0 <= self.max_images <= MAX_IMAGES_PER_PROMPT:
             raise ServeError(f"ServeSettings.max_images must be in [0, {MAX_IMAGES_PER_PROMPT}], got {self.max_images}")
