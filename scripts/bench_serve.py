@@ -13,7 +13,7 @@ Printed per route: generated tokens/s and its ratio to direct, p50/p99 time to f
 streamed token, or first text delta over HTTP) and the p50 ratio to direct, p50/p99 latency, errors.
 The load generator shares the machine's CPUs with the engine, as a client on the same host would.
 
-    .venv/bin/python scripts/bench_serve.py [--concurrency 16,64,256] [--loops 4,2,2] [--new-tokens 64]
+    .venv/bin/python scripts/bench_serve.py [--concurrency 16,64,256] [--loops 4,2,2] [--new-tokens 64] [--reps 3]
 """
 from __future__ import annotations
 
@@ -176,7 +176,10 @@ def main() -> None:
     ap.add_argument("--loops", default="4,2,2", help="requests per client at each concurrency")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--model", default=None, help="checkpoint dir or shipped config name (default: a tiny Qwen3-MoE test checkpoint)")
+    ap.add_argument("--reps", type=int, default=1, help="rounds per concurrency, the arms' order rotated each round")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.client:
         out = asyncio.run(_client_run(args.client, args.route, args.client_model, args.client_conc, args.client_loops,
                                       args.new_tokens, None))
@@ -222,15 +225,32 @@ def main() -> None:
     print(f"{'C':>4} {'route':>9} | {'reqs':>4} | {'tok/s':>6} | {'vs direct':>9} | {'TTFT p50':>8} {'p99':>7} | {'TTFT/direct':>11} | "
           f"{'lat p50':>7} {'p99':>7} | errors")
     for conc, n_loops in zip(concs, loops):
-        rows = {"direct": direct(conc, n_loops), "openai": http("openai", conc, n_loops), "anthropic": http("anthropic", conc, n_loops)}
-        d = rows["direct"]
-        d_tps, d_ttft = d["tokens"] / d["seconds"], _pct(d["ttft"], 0.5)
-        for route, r in rows.items():
-            tps = r["tokens"] / r["seconds"]
-            print(f"{conc:>4} {route:>9} | {len(r['latency']):>4} | {tps:>6.0f} | {tps / d_tps:>8.2f}x | "
-                  f"{_pct(r['ttft'], 0.5) * 1000:>6.0f}ms {_pct(r['ttft'], 0.99) * 1000:>5.0f}ms | {_pct(r['ttft'], 0.5) / d_ttft:>10.2f}x | "
-                  f"{_pct(r['latency'], 0.5):>6.2f}s {_pct(r['latency'], 0.99):>6.2f}s | {r['errors']}"
-                  + (f"  e.g. {r['why']}" if r.get("why") else ""))
+        # Rounds rotate the arms' order, so a burst of load from elsewhere on this shared machine lands on
+        # a different arm each round; the ratios are per round (each arm against the same round's direct)
+        # and the medians over rounds are printed beside the pooled figures of the last round's table.
+        arms = ["direct", "openai", "anthropic"]
+        tps_ratio: dict[str, list[float]] = {a: [] for a in arms}
+        ttft_ratio: dict[str, list[float]] = {a: [] for a in arms}
+        for rep in range(args.reps):
+            rows = {}
+            for arm in arms[rep % 3:] + arms[: rep % 3]:
+                rows[arm] = direct(conc, n_loops) if arm == "direct" else http(arm, conc, n_loops)
+            d = rows["direct"]
+            d_tps, d_ttft = d["tokens"] / d["seconds"], _pct(d["ttft"], 0.5)
+            for route in arms:
+                r = rows[route]
+                tps = r["tokens"] / r["seconds"]
+                tps_ratio[route].append(tps / d_tps)
+                ttft_ratio[route].append(_pct(r["ttft"], 0.5) / d_ttft)
+                print(f"{conc:>4} {route:>9} | {len(r['latency']):>4} | {tps:>6.0f} | {tps / d_tps:>8.2f}x | "
+                      f"{_pct(r['ttft'], 0.5) * 1000:>6.0f}ms {_pct(r['ttft'], 0.99) * 1000:>5.0f}ms | {_pct(r['ttft'], 0.5) / d_ttft:>10.2f}x | "
+                      f"{_pct(r['latency'], 0.5):>6.2f}s {_pct(r['latency'], 0.99):>6.2f}s | {r['errors']}"
+                      + (f"  e.g. {r['why']}" if r.get("why") else "") + (f"  (round {rep + 1})" if args.reps > 1 else ""))
+        if args.reps > 1:
+            for route in arms[1:]:
+                print(f"{conc:>4} {route:>9} | median of {args.reps} rounds: tokens/s {_pct(tps_ratio[route], 0.5):.2f}x direct, "
+                      f"TTFT p50 {_pct(ttft_ratio[route], 0.5):.2f}x direct "
+                      f"(rounds: {', '.join(f'{x:.2f}' for x in tps_ratio[route])} / {', '.join(f'{x:.2f}' for x in ttft_ratio[route])})")
     server.should_exit = True
     th.join(timeout=10)
     service.engine.shutdown()

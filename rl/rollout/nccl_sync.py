@@ -302,7 +302,7 @@ def _worker_join(impl: Any, info: NcclGroupInfo, rank_offset: int) -> dict[str, 
 
 def _worker_accepts(impl: Any, ticket: NcclSyncTicket) -> None:
     """The engine takes this tensor list as one update (whole fused parameters), checked before any broadcast."""
-    from rl.rollout.engine import check_update_complete
+    from rl.rollout.engine_platform import check_update_complete
 
     check_update_complete(ticket.names, impl.engine.num_experts)
 

@@ -180,7 +180,8 @@ TOL_FP32_ENGINE = 1e-4  # measured 2.0e-5 (vLLM fp32 with the CPU fused-MoE kern
 
 @pytest.mark.slow
 def test_vllm_serves_the_upcycled_moe_with_fused_experts(pulled, hf_moe):
-    from rl.rollout.engine import EngineConfig, GenerateRequest, RolloutEngine, _cpu_moe_layers
+    from rl.rollout.engine import EngineConfig, GenerateRequest, RolloutEngine
+    from rl.rollout.engine_platform import cpu_moe_layers
 
     _, moe_dir = pulled
     tok, ids = _chat_ids(moe_dir)
@@ -189,7 +190,7 @@ def test_vllm_serves_the_upcycled_moe_with_fused_experts(pulled, hf_moe):
     try:
         model = eng.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
         assert type(model).__name__ == "MixtralForCausalLM"
-        assert len(_cpu_moe_layers(model)) == 30  # every layer on vLLM's CPU fused-MoE kernel
+        assert len(cpu_moe_layers(model)) == 30  # every layer on vLLM's CPU fused-MoE kernel
         [res] = eng.generate([GenerateRequest(prompt_token_ids=tuple(ids), max_tokens=16, temperature=0.0,
                                               stop_token_ids=(tok.eos_token_id,))])
         [scored] = eng.score([ids + list(res.token_ids)])

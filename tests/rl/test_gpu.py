@@ -107,16 +107,17 @@ def test_start_up_refuses_gpus_ray_does_not_have(monkeypatch, caplog):
 
 
 def test_cpu_engines_refuse_tensor_parallel_and_nccl_weight_transfer(tmp_path, monkeypatch):
-    from rl.rollout.engine import EngineConfig, EngineError, _gpu_llm_kwargs
+    from rl.rollout.engine import EngineConfig, EngineError
+    from rl.rollout.engine_platform import gpu_llm_kwargs
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    assert _gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path)), is_cpu=True) == {}  # CPU engines: vLLM's arguments as before
+    assert gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path)), is_cpu=True) == {}  # CPU engines: vLLM's arguments as before
     with pytest.raises(EngineError, match="CPU build runs one engine process"):
-        _gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path), tensor_parallel_size=2), is_cpu=True)
+        gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path), tensor_parallel_size=2), is_cpu=True)
     with pytest.raises(EngineError, match="needs a CUDA build of vLLM"):
-        _gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path), weight_transfer="nccl"), is_cpu=True)
-    kw = _gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path), tensor_parallel_size=2), is_cpu=False)
+        gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path), weight_transfer="nccl"), is_cpu=True)
+    kw = gpu_llm_kwargs(EngineConfig(model_path=str(tmp_path), tensor_parallel_size=2), is_cpu=False)
     assert kw == {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     with pytest.raises(EngineError):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.rollout.engine import EngineError, check_update_complete
+from rl.rollout.engine_platform import EngineError, check_update_complete
 from rl.weights import (
     Segment,
     SyncStaging,
