@@ -66,13 +66,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-steps", type=int, default=1)
     args = ap.parse_args(argv)
     run = Path(args.run_dir)
-    if not (run / "eval.json").is_file():
-        print(f"learning_report: {run}/eval.json not found (the run has not finished)", file=sys.stderr)
-        return 2
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
         if (run / "metrics.jsonl").exists() else []
-    print(format_report(json.loads((run / "eval.json").read_text()), rows, args.skip_steps))
+    if (run / "eval.json").is_file():
+        doc = json.loads((run / "eval.json").read_text())
+    elif (run / "eval_before.json").is_file() and (run / "eval_after.json").is_file():
+        doc = partial_doc(run, rows)
+        print("(eval.json absent: the run stopped after the after-RL evaluation; arms from eval_before.json, "
+              "eval_after.json" + (", eval_sft_control.json" if (run / "eval_sft_control.json").is_file() else "") + ")")
+    else:
+        print(f"learning_report: {run}/eval.json not found, nor eval_before.json and eval_after.json (the run has not "
+              "reached its after-RL evaluation)", file=sys.stderr)
+        return 2
+    print(format_report(doc, rows, args.skip_steps))
     return 0
+
+
+def partial_doc(run: Path, rows: list[dict]) -> dict:
+    """eval.json's document rebuilt from the per-arm files of a run stopped before its end (e.g. during the
+    SFT control arm): the same `rl.evaluate.write_eval_json`, written to a temporary file, RL's wall time
+    summed from the step metrics."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rl.evaluate import EvalRow, write_eval_json
+
+    def arm(name: str) -> list[EvalRow] | None:
+        f = run / f"eval_{name}.json"
+        if not f.is_file():
+            return None
+        return [EvalRow(**{**r, "task_success": tuple(r["task_success"])}) for r in json.loads(f.read_text())]
+
+    env_ids = json.loads((run / "config.json").read_text())["envs"]["env_ids"] if (run / "config.json").is_file() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        return write_eval_json(Path(tmp) / "eval.json", env_ids, arm("before"), arm("after"), arm("sft_control"),
+                               rl_seconds(dict(), rows) or None)
 
 
 if __name__ == "__main__":

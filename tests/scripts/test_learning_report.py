@@ -30,3 +30,31 @@ def test_points_per_ten_minutes_use_rl_wall_time():
     line = [ln for ln in text.splitlines() if ln.startswith("terminal-basics-v0")][0]
     assert line.split()[-1] == "7.50"  # 15 points over 20 minutes
     assert lr.rl_seconds({}, [_row(0, 30.0, 0, 0), _row(1, 45.0, 0, 0)]) == 75.0
+
+
+def test_a_run_stopped_in_the_control_arm_reports_its_two_arms(tmp_path, capsys):
+    import json
+
+    from rl.evaluate import EvalRow, paired_diff
+
+    before = [0.0, 0.5, 0.5, 1.0, 0.0, 0.5, 0.0, 1.0]
+    after = [0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.0, 1.0]
+
+    def rows(ts):
+        return [EvalRow(domain="terminal_basics", tier="low", n=len(ts), success=sum(ts) / len(ts), reward=0.0, tokens=60.0,
+                        turns=2.0, samples=2, task_success=tuple(ts)).__dict__]
+
+    (tmp_path / "eval_before.json").write_text(json.dumps(rows(before)))
+    (tmp_path / "eval_after.json").write_text(json.dumps(rows(after)))
+    (tmp_path / "config.json").write_text(json.dumps({"envs": {"env_ids": {"terminal_basics": "terminal-basics-v0"}}}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(_row(i, 300.0, 100.0, 200.0)) for i in range(2)) + "\n")
+    assert lr.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "eval.json absent" in out and "RL wall time: 10.0 min" in out
+    line = [ln for ln in out.splitlines() if ln.startswith("terminal-basics-v0")][0].split()
+    want = paired_diff(before, after)
+    assert line[6] == "-"  # no control arm
+    assert float(line[7]) == pytest.approx(want.mean, abs=5e-4) and float(line[8]) == pytest.approx(want.t, abs=5e-3)
+    assert float(line[-1]) == pytest.approx(100 * want.mean, abs=5e-3)  # points per 10 minutes: RL ran 10 minutes
+    assert not (tmp_path / "eval.json").exists()  # the contract file of a finished run is not forged
+    assert lr.main([str(tmp_path / "missing")]) == 2
