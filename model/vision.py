@@ -32,7 +32,6 @@ import numpy as np
 from jointrl.limits import MAX_IMAGE_SIDE, MAX_IMAGES_PER_PROMPT
 
 
-
 class ImageError(ValueError):
     """An image the model cannot take, with the reason (shown to the agent or the API client)."""
 

@@ -186,6 +186,14 @@ def _finite(x: float) -> float | None:
 
 def write_eval_json(path: Path, env_ids: dict[str, str], before: Sequence[EvalRow], after: Sequence[EvalRow],
                     control: Sequence[EvalRow] | None = None, rl_seconds: float | None = None) -> dict:
+    """Write `eval_doc(...)` to `path` and return it."""
+    doc = eval_doc(env_ids, before, after, control, rl_seconds)
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def eval_doc(env_ids: dict[str, str], before: Sequence[EvalRow], after: Sequence[EvalRow],
+             control: Sequence[EvalRow] | None = None, rl_seconds: float | None = None) -> dict:
     """`{"domains": {ENV_ID: {n, success_before, success_after, ci95_before, ci95_after, paired_t, ...}}}`, one
     entry per evaluated environment id (`env_ids`: the run's domain key -> environment id). With several tiers
     of one environment the id is suffixed `@tier`. With the SFT control arm, each entry also has
@@ -213,7 +221,6 @@ def write_eval_json(path: Path, env_ids: dict[str, str], before: Sequence[EvalRo
             doc["domains"][key].update({"success_sft_control": c.success,
                                         "ci95_sft_control": [_finite(x) for x in mean_ci(ctl_rows[(b.domain, b.tier)].task_success)],
                                         "gain_rl_vs_sft_control": rc.gain, "paired_t_rl_vs_sft_control": _finite(rc.paired_t)})
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
     return doc
 
 

@@ -227,7 +227,7 @@ def main() -> None:
     for conc, n_loops in zip(concs, loops):
         # Rounds rotate the arms' order, so a burst of load from elsewhere on this shared machine lands on
         # a different arm each round; the ratios are per round (each arm against the same round's direct)
-        # and the medians over rounds are printed beside the pooled figures of the last round's table.
+        # and with several rounds their medians follow each concurrency's per-round rows.
         arms = ["direct", "openai", "anthropic"]
         tps_ratio: dict[str, list[float]] = {a: [] for a in arms}
         ttft_ratio: dict[str, list[float]] = {a: [] for a in arms}

@@ -84,12 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def partial_doc(run: Path, rows: list[dict]) -> dict:
     """eval.json's document rebuilt from the per-arm files of a run stopped before its end (e.g. during the
-    SFT control arm): the same `rl.evaluate.write_eval_json`, written to a temporary file, RL's wall time
-    summed from the step metrics."""
-    import tempfile
-
+    SFT control arm) by `rl.evaluate.eval_doc`, as the run would have written it, RL's wall time summed from
+    the step metrics."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from rl.evaluate import EvalRow, write_eval_json
+    from rl.evaluate import EvalRow, eval_doc
 
     def arm(name: str) -> list[EvalRow] | None:
         f = run / f"eval_{name}.json"
@@ -98,9 +96,7 @@ def partial_doc(run: Path, rows: list[dict]) -> dict:
         return [EvalRow(**{**r, "task_success": tuple(r["task_success"])}) for r in json.loads(f.read_text())]
 
     env_ids = json.loads((run / "config.json").read_text())["envs"]["env_ids"] if (run / "config.json").is_file() else {}
-    with tempfile.TemporaryDirectory() as tmp:
-        return write_eval_json(Path(tmp) / "eval.json", env_ids, arm("before"), arm("after"), arm("sft_control"),
-                               rl_seconds(dict(), rows) or None)
+    return eval_doc(env_ids, arm("before"), arm("after"), arm("sft_control"), rl_seconds(dict(), rows) or None)
 
 
 if __name__ == "__main__":
