@@ -394,16 +394,16 @@ class Runtime:
                             images=self.image_settings)
 
     def run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
-        from rl.rollout.agent_loop import BatchingGenerator, run_groups
+        from rl.rollout.agent_loop import BatchingGenerator, ThreadedGenerate, run_groups
 
         async def go():
-            async def generate_batch(reqs):  # the dispatcher blocks on Ray; keep the event loop free
-                return await asyncio.to_thread(self.rollout_engine.generate, reqs)
-
-            gen = BatchingGenerator(generate_batch)
-            return await run_groups(tasks, group_size, self.make_env, gen, self.tok, self.codec, self._loop_settings(temperature),
-                                    policy_version=self.policy_version, max_concurrent=self.cfg.rollout.max_concurrent_episodes,
-                                    seed=seed)
+            # The dispatcher blocks on Ray: each batch waits in a thread of its own, so every waiting episode's
+            # request reaches the continuously batching engine at once.
+            max_concurrent = self.cfg.rollout.max_concurrent_episodes
+            async with ThreadedGenerate(self.rollout_engine.generate, max_concurrent) as generate_batch:
+                gen = BatchingGenerator(generate_batch)
+                return await run_groups(tasks, group_size, self.make_env, gen, self.tok, self.codec, self._loop_settings(temperature),
+                                        policy_version=self.policy_version, max_concurrent=max_concurrent, seed=seed)
 
         return asyncio.run(go())
 

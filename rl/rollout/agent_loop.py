@@ -150,6 +150,34 @@ class BatchingGenerator:
                     fut.set_exception(e)
 
 
+class ThreadedGenerate:
+    """Turns a blocking `generate(requests) -> results` (a RolloutDispatcher, a RolloutEngine) into a
+    `GenerateBatch`, on a thread pool of its own with one thread per episode that can be waiting.
+
+    Each call holds its thread until its whole batch is done, while the engine batches continuously
+    across calls. `asyncio.to_thread` would use the loop's default pool (cores + 4 threads): on 2 cores
+    that let only ~6 batches reach the engine at once, so a 64-episode evaluation ran ~8 requests per
+    engine step (docs/training.md, attempt 8). Use as an async context manager; the pool closes on exit.
+    """
+
+    def __init__(self, generate: Callable[[list[GenerateRequest]], list[GenerateResult]], max_threads: int) -> None:
+        import concurrent.futures
+
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        self._generate = generate
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="jointrl-generate")
+
+    async def __call__(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._generate, requests)
+
+    async def __aenter__(self) -> "ThreadedGenerate":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 _SEED_BITS = 63  # torch generators take any int64 >= 0; vLLM passes the seed to torch.Generator.manual_seed
 
 
