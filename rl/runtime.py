@@ -63,6 +63,31 @@ def build_codec(model: ModelSection, checkpoint_dir: Path):
 ROLLOUT_CPUS = 1  # Ray resources of each rollout worker actor
 
 
+def engine_config_for(cfg: RunConfig, serve_dir: Path, codec: Any):
+    """The rollout engine's EngineConfig for a run serving `serve_dir` through `codec` (LoRA aside)."""
+    from rl.rollout.engine import EngineConfig
+
+    ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed,
+                                             weight_transfer="nccl" if cfg.trainer.sync_transport == "nccl" else None)
+    # Thinking budgets need the format's one-token reasoning markers; a format without them gets none.
+    markers = codec.reasoning_markers
+    return dataclasses.replace(ecfg, reasoning_start=markers[0] if markers else None, reasoning_end=markers[1] if markers else None)
+
+
+def loop_settings_for(cfg: RunConfig, codec: Any, images: Any = None, temperature: float | None = None):
+    """The agent loop's LoopSettings for a run (`temperature` None: rollout.temperature; `images`: an
+    ImageSettings, None for text only)."""
+    from rl.rollout.agent_loop import LoopSettings
+    from rl.rollout.multimodal import ImageSettings
+
+    r = cfg.rollout
+    return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
+                        temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                        thinking_budgets=dict(r.thinking_budgets), max_turns=cfg.envs.max_turns,
+                        end_token_id=codec.end_token_id, per_request_seed=r.seeded_requests,
+                        images=ImageSettings() if images is None else images)
+
+
 def start_local_ray(log_to_driver: bool = True) -> None:
     """A private Ray instance on this machine, as a run without RAY_ADDRESS starts it.
 
@@ -293,19 +318,14 @@ class Runtime:
 
     def _start_rollout(self, serve_dir: Path) -> None:
         from rl.rollout.dispatcher import RolloutDispatcher
-        from rl.rollout.engine import EngineConfig
         from rl.rollout.worker import rollout_worker_actor
 
         cfg = self.cfg
-        ecfg = EngineConfig.from_rollout_section(cfg.rollout, str(serve_dir), seed=cfg.model.seed,
-                                                 weight_transfer="nccl" if cfg.trainer.sync_transport == "nccl" else None)
+        ecfg = engine_config_for(cfg, serve_dir, self.codec)
         if self.lora is not None and self.lora.spec.sync == "adapter":
             from dataclasses import replace
 
             ecfg = replace(ecfg, lora_rank=self.lora.spec.rank, lora_targets=self.lora.vllm_targets)
-        # Thinking budgets need the format's one-token reasoning markers; a format without them gets none.
-        markers = self.codec.reasoning_markers
-        ecfg = dataclasses.replace(ecfg, reasoning_start=markers[0] if markers else None, reasoning_end=markers[1] if markers else None)
         env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "VLLM_", "HF_", "TRANSFORMERS_", "TORCH_", "XDG_"))}
         marker = cfg.rollout.node_resource  # replacements after a worker's node is lost stay on such nodes too
         Actor = rollout_worker_actor(num_cpus=ROLLOUT_CPUS, num_gpus=cfg.rollout.gpus_per_worker,
@@ -384,14 +404,7 @@ class Runtime:
         return ImageSettings(spec=spec, max_images=r.max_images_per_prompt, pixels=r.image_pixels)
 
     def _loop_settings(self, temperature: float | None = None):
-        from rl.rollout.agent_loop import LoopSettings
-
-        r = self.cfg.rollout
-        return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
-                            temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
-                            thinking_budgets=dict(r.thinking_budgets), max_turns=self.cfg.envs.max_turns,
-                            end_token_id=self.codec.end_token_id, per_request_seed=r.seeded_requests,
-                            images=self.image_settings)
+        return loop_settings_for(self.cfg, self.codec, self.image_settings, temperature)
 
     def run_groups(self, tasks: Sequence[Task], group_size: int, temperature: float | None = None, seed: int = 0) -> list[list[Episode]]:
         from rl.rollout.agent_loop import BatchingGenerator, ThreadedGenerate, run_groups

@@ -23,34 +23,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_arm(cfg, model_dir: Path, tasks, samples: int, threads: int, handoff: str) -> dict[str, float]:
+def run_arm(cfg, model_dir: Path, env_id: str, tasks, samples: int, threads: int, handoff: str) -> dict[str, float]:
     import envs
-    from rl.rollout.agent_loop import BatchingGenerator, LoopSettings, ThreadedGenerate, run_groups
-    from rl.rollout.engine import EngineConfig, RolloutEngine
-    from rl.runtime import build_codec
+    from rl.rollout.agent_loop import BatchingGenerator, ThreadedGenerate, run_groups
+    from rl.rollout.engine import RolloutEngine
+    from rl.runtime import build_codec, engine_config_for, loop_settings_for
 
     codec = build_codec(cfg.model, model_dir)
-    markers = codec.reasoning_markers
-    ecfg = EngineConfig.from_rollout_section(dataclasses.replace(cfg.rollout, threads_per_worker=threads), str(model_dir), seed=cfg.model.seed)
-    ecfg = dataclasses.replace(ecfg, reasoning_start=markers[0] if markers else None, reasoning_end=markers[1] if markers else None,
-                               extra_llm_kwargs={**ecfg.extra_llm_kwargs, "disable_log_stats": False})
-    engine = RolloutEngine(ecfg)
-    r = cfg.rollout
-    settings = LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn, temperature=1.0,
-                            top_p=r.top_p, thinking_budgets=dict(r.thinking_budgets), max_turns=cfg.envs.max_turns,
-                            end_token_id=codec.end_token_id, per_request_seed=r.seeded_requests)
-    env_id = tasks[0][1]
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, threads_per_worker=threads))
+    ecfg = engine_config_for(cfg, model_dir, codec)
+    engine = RolloutEngine(dataclasses.replace(ecfg, extra_llm_kwargs={**ecfg.extra_llm_kwargs, "disable_log_stats": False}))
+    max_concurrent = cfg.rollout.max_concurrent_episodes
 
     async def go():
-        if handoff == "to_thread":
-            async def generate_batch(reqs):
-                return await asyncio.to_thread(engine.generate, reqs)
+        async def to_thread(reqs):
+            return await asyncio.to_thread(engine.generate, reqs)
 
-            return await run_groups([t for t, _ in tasks], samples, lambda _t: envs.make(env_id), BatchingGenerator(generate_batch),
-                                    codec.tokenizer, codec, settings, max_concurrent=r.max_concurrent_episodes, seed=0)
-        async with ThreadedGenerate(engine.generate, r.max_concurrent_episodes) as generate_batch:
-            return await run_groups([t for t, _ in tasks], samples, lambda _t: envs.make(env_id), BatchingGenerator(generate_batch),
-                                    codec.tokenizer, codec, settings, max_concurrent=r.max_concurrent_episodes, seed=0)
+        async with ThreadedGenerate(engine.generate, max_concurrent) as threaded:
+            generate_batch = threaded if handoff == "threaded" else to_thread
+            return await run_groups(tasks, samples, lambda _t: envs.make(env_id), BatchingGenerator(generate_batch), codec.tokenizer,
+                                    codec, loop_settings_for(cfg, codec, temperature=1.0), max_concurrent=max_concurrent, seed=0)
 
     t0 = time.perf_counter()
     groups = asyncio.run(go())
@@ -91,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     domain, env_id = next(iter(cfg.envs.env_ids.items()))
     tier = cfg.envs.default_tier.get(domain, "low")
     rows = list(envs.tasks(env_id, "heldout", seed=cfg.envs.seed))[: args.tasks]
-    tasks = [(replace(Task.from_row(row), domain=domain, thinking=tier), env_id) for row in rows]
+    tasks = [replace(Task.from_row(row), domain=domain, thinking=tier) for row in rows]
     arms = {"to_thread": (1, "to_thread"), "threaded": (1, "threaded"), "threaded_2t": (2, "threaded")}
     results = {}
     for name in args.arms.split(","):
         threads, handoff = arms[name]
-        results[name] = run_arm(cfg, model_dir, tasks, args.samples, threads, handoff)
+        results[name] = run_arm(cfg, model_dir, env_id, tasks, args.samples, threads, handoff)
         print(f"  {name}: {results[name]['episodes']} episodes in {results[name]['seconds']:.1f} s", flush=True)
     base = results[next(iter(results))]["eps_per_s"]
     print(f"\n{env_id} held-out, {len(tasks)} tasks x {args.samples} samples, {model_dir.name}, "
