@@ -40,6 +40,7 @@ class DispatchError(RuntimeError):
 
 
 RESTART_WAIT_LOG_S = 60.0  # how often a replacement that has not started yet is reported
+RESTART_BACKOFF_S = 5.0  # wait before the second try at starting a replacement; doubled for each later one
 
 
 def _get_while_logging(ref: Any, w: int, t0: float) -> Any:
@@ -124,7 +125,12 @@ class RolloutDispatcher:
                     # e.g. placed on a node that was going away before Ray marked it dead
                     if attempt == self.max_retries:
                         raise DispatchError(f"rollout worker {w}: {attempt + 1} replacements died while starting") from e
-                    log.warning("replacement for rollout worker %d died while starting (%s); trying again", w, type(e).__name__)
+                    # Back off before the next try: a replacement killed for memory needs the peak that
+                    # killed it (often another actor's step) to pass first.
+                    wait_s = RESTART_BACKOFF_S * 2 ** attempt
+                    log.warning("replacement for rollout worker %d died while starting (%s); trying again in %.0f s", w,
+                                type(e).__name__, wait_s)
+                    time.sleep(wait_s)
             slot.generation += 1
             slot.restarts += 1
             log.warning("rollout worker %d restarted on node %s in %.1f s", w, slot.node_id, time.perf_counter() - t0)

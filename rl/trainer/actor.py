@@ -8,6 +8,8 @@ ZeRO-3 the other ranks take part in the parameter gathers.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -85,7 +87,9 @@ class TrainerWorker:
         m = self.t.train_step(batch, n_micro)
         if self.critic is not None and batch.returns_BT is not None:
             extra.update(self.critic.value_step(batch, n_micro))
-        return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0}
+        trim_heap()
+        return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0,
+                "train/rss_gb": _rss_mb() / 1024.0}
 
     def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False):
         if self.critic is None:
@@ -102,7 +106,9 @@ class TrainerWorker:
         return self.t.reference_logprobs(batch)
 
     def sft_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
-        return self.t.sft_step(batch, n_micro, pad_only)
+        m = self.t.sft_step(batch, n_micro, pad_only)
+        trim_heap()
+        return m
 
     def set_lr(self, lr: float) -> None:
         self.t.set_lr(lr)
@@ -173,3 +179,24 @@ class TrainerWorker:
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the free pages of the C heap back to the OS after a step (glibc's `malloc_trim`).
+
+    A step's activations are freed when it ends, but glibc keeps freed heap memory for reuse, and its
+    mmap threshold rises after large frees, so later large tensors come from the heap too: measured on
+    the upcycled SmolLM2-MoE, the trainer stayed at 17.9 GB after its first RL step (10.6 GB before it),
+    the rollout engine beside it was OOM-killed, and its replacements had no room to start. Trimming
+    costs milliseconds against a step of seconds."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -67,35 +67,79 @@ class TrainBatch:
     def with_(self, **kw) -> "TrainBatch":
         return replace(self, **kw)
 
+    def narrowed(self) -> "TrainBatch":
+        """The batch without its trailing all-padding columns (every [B, T, ...] tensor cut to the
+        longest row). The model is causal and padding is on the right, so no real token's logits change."""
+        T = self.input_ids_BT.shape[1]
+        width = max(int(self.attention_mask_BT.sum(dim=1).max()), 1) if self.num_seqs else T
+        if width == T:
+            return self
+        kw = {f: getattr(self, f)[:, :width] for f in self.__dataclass_fields__
+              if f.endswith(("_BT", "_BTLK")) and getattr(self, f) is not None}
+        return replace(self, **kw)
+
 
 _SCALARS = ("domains", "step_tokens", "step_seqs", "step_loss_tokens", "routes_from")
 
 
+def micro_rows(batch: TrainBatch, size: int) -> list[list[int]]:
+    """Row indices of each micro-batch of `size`: rows ordered by real length (longest first, ties in
+    batch order), so a micro-batch holds sequences of similar length and `micro_batches` can cut it to
+    its own longest row. With batch order instead, one long episode (a retry after a malformed call)
+    pads every micro-batch it lands in to its length: compute and activation memory scale with the
+    padded width, not the real tokens."""
+    if size < 1:
+        raise ValueError(f"micro_rows: size={size} must be >= 1")
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    order = sorted(range(batch.num_seqs), key=lambda i: (-lengths[i], i))
+    return [order[s:s + size] for s in range(0, len(order), size)]
+
+
 def micro_batches(batch: TrainBatch, size: int, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
-    """`batch` in micro-batches of `size`, then padding micro-batches (its first row, flagged True) up
-    to `n_micro`. Under ZeRO-3 every forward and backward gathers parameters collectively, so all
-    ranks must run the same number of micro-batches; a rank whose shard is only padding (`pad_only`:
-    fewer sequences than ranks) runs padding alone. Callers make padding add nothing to a loss."""
-    out = [] if pad_only else [(batch.select(slice(s, s + size)), False) for s in range(0, batch.num_seqs, size)]
+    """`batch` in micro-batches of `size` rows grouped by length (`micro_rows`), each cut to the width
+    of its longest row (padding is on the right, so only all-padding columns go), then padding
+    micro-batches (its first row, flagged True) up to `n_micro`. Under ZeRO-3 every forward and
+    backward gathers parameters collectively, so all ranks must run the same number of micro-batches; a
+    rank whose shard is only padding (`pad_only`: fewer sequences than ranks) runs padding alone.
+    Callers make padding add nothing to a loss, and put per-row results back in batch order with
+    `stitch_rows`."""
+    out = [] if pad_only else [(batch.select(rows).narrowed(), False) for rows in micro_rows(batch, size)]
     while len(out) < n_micro:
-        out.append((batch.select([0]), True))
+        out.append((batch.select([0]).narrowed(), True))
     return out
 
 
-def split_by_tokens(batch: TrainBatch, n: int) -> list[list[int]]:
-    """Row indices for `n` ranks with near-equal real-token counts (longest first, each to the rank
-    with the fewest tokens so far: LPT scheduling). Rows keep batch order within a rank; a rank may
-    get no rows when the batch has fewer sequences than ranks."""
+def stitch_rows(parts: Sequence[torch.Tensor], batch: TrainBatch, size: int, fill: float = 0.0) -> torch.Tensor:
+    """Per-row results of the real micro-batches of `micro_batches(batch, size)` (each [b, t, ...] with
+    t <= T), back in batch order as one [B, T, ...] tensor; columns a micro-batch was cut off get `fill`."""
+    rows = micro_rows(batch, size)
+    if len(parts) != len(rows):
+        raise ValueError(f"stitch_rows: {len(parts)} parts for {len(rows)} micro-batches")
+    B, T = batch.input_ids_BT.shape
+    out = parts[0].new_full((B, T, *parts[0].shape[2:]), fill)
+    for idx, part in zip(rows, parts):
+        out[torch.as_tensor(idx, dtype=torch.long), : part.shape[1]] = part
+    return out
+
+
+def split_micro_batches(batch: TrainBatch, n: int, size: int) -> list[list[int]]:
+    """Row indices for `n` ranks: whole micro-batches of `micro_rows(batch, size)`, each to the rank with
+    the fewest real tokens so far, the largest first (LPT scheduling). A rank's rows keep the step's
+    length order, so `micro_rows` on its shard rebuilds exactly the micro-batches it was given: every
+    micro-batch has the same rows on N ranks as on one, and per-micro-batch terms (the router's
+    load-balance loss) match too. A rank may get no rows when the batch has fewer micro-batches than ranks."""
     if n < 1:
-        raise ValueError(f"split_by_tokens: n={n} must be >= 1")
+        raise ValueError(f"split_micro_batches: n={n} must be >= 1")
     lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    mbs = micro_rows(batch, size)
+    tokens = [sum(int(lengths[i]) for i in rows) for rows in mbs]
     loads = [0] * n
-    parts: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    owner = [0] * len(mbs)
+    for m in sorted(range(len(mbs)), key=lambda m: (-tokens[m], m)):
         r = min(range(n), key=lambda r: (loads[r], r))
-        parts[r].append(i)
-        loads[r] += int(lengths[i])
-    return [sorted(p) for p in parts]
+        owner[m] = r
+        loads[r] += tokens[m]
+    return [[i for m, rows in enumerate(mbs) if owner[m] == r for i in rows] for r in range(n)]
 
 
 def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_id: int = 0,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rl.trainer.batch import TrainBatch, image_inputs, micro_batches
+from rl.trainer.batch import TrainBatch, image_inputs, micro_batches, stitch_rows
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class CriticTrainer:
             if not padding:
                 out.append(v * (mb.loss_mask_BT > 0))
         self.engine.train()
-        return torch.cat(out) if out else batch.loss_mask_BT[:0].clone()
+        return stitch_rows(out, batch, self.spec.micro_batch_size) if out else batch.loss_mask_BT[:0].clone()
 
     def value_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
         """One optimizer step on the clipped value loss (Andrychowicz et al. 2021's PPO2 form)."""

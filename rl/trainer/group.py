@@ -2,9 +2,9 @@
 
 `TrainerGroup.start(...)` reserves one bundle per rank (`TrainerResources`: CPUs and GPUs per rank),
 starts a `TrainerWorker` in each, and joins them in one torch.distributed group (gloo on CPU, NCCL
-on GPU) whose rendezvous is rank 0's node. Each step batch is split across the ranks by real-token
-count (`split_by_tokens`); the shards keep the whole batch's loss weights and totals, so N ranks
-compute the update one rank would on the same batch (tests/rl/trainer/test_group.py checks it to
+on GPU) whose rendezvous is rank 0's node. Each step batch is cut into length-grouped micro-batches and
+those are dealt to the ranks by real-token count (`split_micro_batches`); the shards keep the whole
+batch's loss weights and totals, so N ranks compute the update one rank would on the same batch (tests/rl/trainer/test_group.py checks it to
 1e-5 for ZeRO 1, 2 and 3). Every rank runs the same number of micro-batches (padding ones add
 nothing), which ZeRO-3's collective gathers need. Rank 0 publishes weights and HF checkpoints.
 
@@ -15,17 +15,17 @@ keeps the bundles on the nodes started with that custom resource.
 """
 from __future__ import annotations
 
-import math
 import socket
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rl.trainer.batch import TrainBatch, split_by_tokens
+from rl.trainer.batch import TrainBatch, micro_rows, split_micro_batches
 
 # How per-rank metrics combine into the step's: summed, the slowest rank's, or rank 0's (equal on
 # every rank); anything else is a mean weighted by each rank's share of the step's sequences.
 _SUMMED = ("train/tokens", "train/micro_batches", "train/seqs", "value/loss")
-_SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s", "value/step_s")
+_SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s", "value/step_s",
+            "train/rss_gb")  # the largest rank's resident memory: the one Ray's OOM monitor would take first
 _RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm", "value/grad_norm")
 
 
@@ -122,9 +122,9 @@ class TrainerGroup:
         """Each rank's (shard, pad_only) and the common micro-batch count."""
         if self.world_size == 1:
             return [(batch, False)], 0
-        parts = split_by_tokens(batch, self.world_size)
+        parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
         shards = [(batch.select(p), False) if p else (batch.select([0]), True) for p in parts]
-        n_micro = max(math.ceil(len(p) / self.micro_batch_size) for p in parts)
+        n_micro = max(len(micro_rows(s, self.micro_batch_size)) if not pad else 0 for s, pad in shards)
         return shards, n_micro
 
     def _get(self, refs: Any) -> Any:
@@ -178,7 +178,7 @@ class TrainerGroup:
 
         if self.world_size == 1:
             return self._get(getattr(self.workers[0], method).remote(batch))
-        parts = split_by_tokens(batch, self.world_size)
+        parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
         shards, n_micro = self._shards(batch)
         padded = method in ("compute_logprobs", "values")  # forwards through a (possibly ZeRO-3) engine
         args = [(s, n_micro, pad) if padded else (s,) for s, pad in shards]

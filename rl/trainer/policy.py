@@ -24,7 +24,7 @@ import torch
 from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
-from rl.trainer.batch import TrainBatch, image_inputs, logits_window, micro_batches, token_logprobs
+from rl.trainer.batch import TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
 
 log = get_logger("trainer")
@@ -97,12 +97,6 @@ def load_policy(model_dir: str | os.PathLike[str], dtype: str = "float32") -> to
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=td)
     m.config.use_cache = False
     return m
-
-
-def _cat_padded(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate [b, t, L, k] route chunks along the batch, right-padding t with -1."""
-    T = max(c.shape[1] for c in chunks)
-    return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, 0, 0, T - c.shape[1]), value=-1) for c in chunks])
 
 
 def decoder_layers(m: torch.nn.Module) -> torch.nn.ModuleList:
@@ -296,8 +290,9 @@ class PolicyTrainer:
         self.engine.train()
         if not out_lp:  # a padding-only shard
             return batch.loss_mask_BT[:0].clone(), None
-        lp = torch.cat(out_lp)
-        routes = _cat_padded(out_routes) if out_routes else None
+        size = self.spec.micro_batch_size
+        lp = stitch_rows(out_lp, batch, size)
+        routes = stitch_rows(out_routes, batch, size, fill=-1) if out_routes else None
         return lp, routes
 
     @torch.no_grad()
@@ -312,12 +307,11 @@ class PolicyTrainer:
         from contextlib import nullcontext
 
         with self.module.disable_adapter() if self.reference_is_base else nullcontext():
-            for s in range(0, batch.num_seqs, self.spec.micro_batch_size):
-                mb = batch.select(slice(s, s + self.spec.micro_batch_size))
+            for mb, _ in self._micro_batches(batch):
                 o = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
                                   module=self.reference)
                 out.append(token_logprobs(o.logits, mb.input_ids_BT))
-        return torch.cat(out)
+        return stitch_rows(out, batch, self.spec.micro_batch_size)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
@@ -380,7 +374,7 @@ class PolicyTrainer:
             from rl.algos.kl import kl_per_token
             from rl.observe.telemetry import logprob_gap_metrics
 
-            old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else torch.cat(fwd_lp)
+            old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else stitch_rows(fwd_lp, batch, self.spec.micro_batch_size)
             mask_BT = batch.loss_mask_BT > 0
             metrics.update(logprob_gap_metrics(old_BT, batch.rollout_logprobs_BT, mask_BT, batch.domain_ids_B, batch.domains))
             if batch.ref_logprobs_BT is not None:

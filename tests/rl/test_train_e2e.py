@@ -100,6 +100,7 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
             assert "mismatch/logprob_abs_mean" not in r and "mismatch/logprob_abs_max" not in r
         assert r["policy/version"] >= 1
         assert r["trainer/world_size"] == 1 and r["rollout/max_staleness_seen"] == 0  # sync mode: no lag
+        assert 0.2 < r["train/rss_gb"] < 24  # the trainer rank's resident memory, read from /proc each update
         # the step-time breakdown is logged every step and adds up
         parts = r["time/rollout_generate_s"] + r["time/rollout_tools_s"] + r["time/rollout_grade_s"]
         assert parts == pytest.approx(r["time/rollout_s"], rel=1e-6) and r["time/train_s"] > 0 and r["time/sync_s"] > 0

@@ -20,9 +20,12 @@ class _Health:
     policy_version: int
 
 
-def test_oom_killed_worker_is_restarted_and_every_request_answered_once():
+def test_oom_killed_worker_is_restarted_and_every_request_answered_once(monkeypatch):
+    import time
+
     import ray
 
+    from rl.rollout import dispatcher
     from rl.rollout.dispatcher import RolloutDispatcher
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -34,11 +37,13 @@ def test_oom_killed_worker_is_restarted_and_every_request_answered_once():
                 self.version = 0
 
             def generate(self, reqs):
-                if self.fail:
+                if self.fail is True:
                     raise ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
                 return [f"done:{r}:v{self.version}" for r in reqs]
 
             def update_weights(self, refs, version):
+                if self.fail == "start":  # killed while starting (below)
+                    raise ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
                 self.version = version
                 return None
 
@@ -56,5 +61,21 @@ def test_oom_killed_worker_is_restarted_and_every_request_answered_once():
         out = d.generate([1, 2, 3])
         assert out == ["done:1:v3", "done:2:v3", "done:3:v3"]  # the replacement got the last sync first
         assert len(made) == 2
+
+        # A replacement killed for memory while it starts (the peak that killed its predecessor has not
+        # passed yet) is tried again after a back-off, and the run goes on.
+        plan = [True, "start", False]
+        made2: list = []
+
+        def factory2():
+            made2.append(plan[len(made2)])
+            return Worker.remote(made2[-1])
+
+        monkeypatch.setattr(dispatcher, "RESTART_BACKOFF_S", 0.5)
+        d2 = RolloutDispatcher(factory2, n=1)
+        d2.update_weights([ray.put(b"w")], version=4)
+        t0 = time.perf_counter()
+        assert d2.generate([7]) == ["done:7:v4"]
+        assert made2 == plan and time.perf_counter() - t0 >= 0.5  # two replacements, one back-off between them
     finally:
         ray.shutdown()

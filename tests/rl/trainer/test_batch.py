@@ -84,3 +84,61 @@ def test_windowed_logprobs_and_grads_equal_full(which):
 def test_too_many_logit_positions_refused():
     with pytest.raises(ValueError, match="logit positions"):
         token_logprobs(torch.zeros(1, 5, 8), torch.zeros(1, 4, dtype=torch.long))
+
+
+def _ragged_batch():
+    """Six right-padded episodes of lengths 9, 30, 12, 30, 5, 20 in a [6, 30] batch."""
+    from rl.trainer.batch import TrainBatch
+
+    lengths = [9, 30, 12, 30, 5, 20]
+    B, T = len(lengths), max(lengths)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(11, 500, (n,), generator=g)
+        attn[i, :n] = 1
+    loss = attn.float()
+    loss[:, :3] = 0
+    return TrainBatch(input_ids_BT=ids, attention_mask_BT=attn, loss_mask_BT=loss, rollout_logprobs_BT=-loss,
+                      advantages_BT=loss * 0.5, group_ids_B=torch.arange(B), domain_ids_B=torch.zeros(B, dtype=torch.long),
+                      domains=("d",), rewards_B=torch.arange(B, dtype=torch.float32),
+                      routed_experts_BTLK=torch.where(attn[:, :, None, None] > 0, torch.ones(B, T, 2, 2, dtype=torch.long), -1)), lengths
+
+
+def test_micro_batches_group_rows_by_length_and_cut_padding():
+    from rl.trainer.batch import micro_batches, micro_rows, stitch_rows
+
+    batch, lengths = _ragged_batch()
+    assert micro_rows(batch, 4) == [[1, 3, 5, 2], [0, 4]]           # longest first, ties in batch order
+    mbs = micro_batches(batch, 2, n_micro=4)
+    assert [padding for _, padding in mbs] == [False, False, False, True]
+    # each micro-batch is as wide as its longest row, every [B, T, ...] tensor alike
+    assert [mb.input_ids_BT.shape[1] for mb, _ in mbs] == [30, 20, 9, 9]
+    for mb, _ in mbs:
+        w = mb.input_ids_BT.shape[1]
+        assert mb.loss_mask_BT.shape[1] == mb.advantages_BT.shape[1] == mb.routed_experts_BTLK.shape[1] == w
+        assert mb.step_seqs == 6 and mb.step_tokens == sum(lengths)       # the step's totals survive the cut
+    # rows come back in batch order, the cut columns filled
+    parts = [mb.rewards_B[:, None].expand(-1, mb.input_ids_BT.shape[1]) + 0 for mb, pad in mbs if not pad]
+    back = stitch_rows(parts, batch, 2, fill=-7.0)
+    for i, n in enumerate(lengths):
+        width = {1: 30, 3: 30, 5: 20, 2: 20, 0: 9, 4: 9}[i]
+        assert (back[i, :width] == i).all() and (back[i, width:] == -7.0).all()
+    with pytest.raises(ValueError, match="3 micro-batches"):
+        stitch_rows(parts[:2], batch, 2)
+
+
+def test_narrowed_micro_batches_give_the_same_logprobs_as_the_full_width():
+    """Cutting trailing padding changes no real token's logprob (causal model, right padding)."""
+    from rl.trainer.batch import micro_batches, stitch_rows
+
+    _, model = next(iter(_models()))
+    batch, lengths = _ragged_batch()
+    with torch.no_grad():
+        full = token_logprobs(model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits, batch.input_ids_BT)
+        parts = [token_logprobs(model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits, mb.input_ids_BT)
+                 for mb, _ in micro_batches(batch, 2)]
+    cut = stitch_rows(parts, batch, 2)
+    real = batch.attention_mask_BT > 0
+    torch.testing.assert_close(cut[real], full[real], atol=1e-5, rtol=0)

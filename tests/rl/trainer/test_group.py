@@ -14,21 +14,26 @@ from tests.rl.trainer.test_policy import _episodes
 pytestmark = pytest.mark.slow
 
 
-def test_split_by_tokens_balances_tokens_and_keeps_every_row_once():
+def test_split_micro_batches_deals_whole_micro_batches_and_keeps_every_row_once():
     import torch
 
-    from rl.trainer.batch import collate, split_by_tokens
+    from rl.trainer.batch import collate, micro_rows, split_micro_batches
 
     eps = _episodes(7, 40, 500, 3)
     batch = collate(eps, [1.0] * 7)
     lengths = batch.attention_mask_BT.sum(1).tolist()
-    parts = split_by_tokens(batch, 3)
+    parts = split_micro_batches(batch, 3, 2)
     assert sorted(i for p in parts for i in p) == list(range(7))
+    whole = micro_rows(batch, 2)
+    # each rank's shard rebuilds exactly micro-batches of the one-rank step (same rows, same order)
+    for p in parts:
+        shard_mbs = [[p[j] for j in rows] for rows in micro_rows(batch.select(p), 2)]
+        assert all(mb in whole for mb in shard_mbs)
     loads = [sum(lengths[i] for i in p) for p in parts]
-    assert max(loads) - min(loads) <= max(lengths)  # LPT: within one sequence of balanced
-    assert split_by_tokens(batch, 9)[7:] == [[], []]  # more ranks than rows: some get none
+    assert max(loads) - min(loads) <= max(sum(lengths[i] for i in mb) for mb in whole)  # LPT over micro-batches
+    assert split_micro_batches(batch, 9, 2)[4:] == [[]] * 5  # more ranks than micro-batches: some get none
     with pytest.raises(ValueError):
-        split_by_tokens(batch, 0)
+        split_micro_batches(batch, 0, 2)
     shard = batch.select(parts[0])
     assert shard.step_seqs == 7 and shard.step_tokens == int(batch.attention_mask_BT.sum())
     assert shard.step_loss_tokens == pytest.approx(float(batch.loss_mask_BT.sum()))
@@ -38,9 +43,11 @@ def test_split_by_tokens_balances_tokens_and_keeps_every_row_once():
 def test_reduce_rank_metrics_sums_maxes_and_weights_by_sequences():
     from rl.trainer.group import reduce_rank_metrics
 
-    m = reduce_rank_metrics([{"train/seqs": 3.0, "train/tokens": 30.0, "train/step_s": 1.0, "train/grad_norm": 2.0, "loss/x": 1.0},
-                             {"train/seqs": 1.0, "train/tokens": 10.0, "train/step_s": 3.0, "train/grad_norm": 2.0, "loss/x": 5.0}])
-    assert m == {"train/seqs": 4.0, "train/tokens": 40.0, "train/step_s": 3.0, "train/grad_norm": 2.0, "loss/x": 2.0}
+    m = reduce_rank_metrics([{"train/seqs": 3.0, "train/tokens": 30.0, "train/step_s": 1.0, "train/grad_norm": 2.0, "loss/x": 1.0,
+                              "train/rss_gb": 9.0},
+                             {"train/seqs": 1.0, "train/tokens": 10.0, "train/step_s": 3.0, "train/grad_norm": 2.0, "loss/x": 5.0,
+                              "train/rss_gb": 7.0}])
+    assert m == {"train/seqs": 4.0, "train/tokens": 40.0, "train/step_s": 3.0, "train/grad_norm": 2.0, "loss/x": 2.0, "train/rss_gb": 9.0}
 
 
 @pytest.fixture(scope="module")
