@@ -28,6 +28,8 @@ def test_oom_killed_worker_is_restarted_and_every_request_answered_once(monkeypa
     from rl.rollout import dispatcher
     from rl.rollout.dispatcher import RolloutDispatcher
 
+    if ray.is_initialized():  # a Ray instance another test left running would refuse this init
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         @ray.remote(num_cpus=0)
