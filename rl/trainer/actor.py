@@ -70,7 +70,14 @@ class TrainerWorker:
             m = self.t.train_step(batch, n_micro, pad_only=True)
             if self.critic is not None and batch.returns_BT is not None:
                 m.update(self.critic.value_step(batch, n_micro, pad_only=True))
-            return {**m, "train/old_logprob_s": 0.0, "train/busy_s": time.perf_counter() - t0}
+            m["train/old_logprob_s"] = 0.0
+        else:
+            m = self._update(batch, n_micro, t0)
+        trim_heap()  # a padding step allocates activations too
+        return {**m, "train/busy_s": time.perf_counter() - t0, "train/rss_gb": _rss_mb() / 1024.0}
+
+    def _update(self, batch: TrainBatch, n_micro: int, t0: float) -> dict[str, float]:
+        """`rl_step` on a rank with real rows: the R2 pass and reference logprobs it needs, the update, the critic's."""
         needs_ref = self.t.reference is not None and batch.ref_logprobs_BT is None
         t_old = 0.0
         if needs_ref and self.t.routing_mode(batch) == "r2" and batch.routed_experts_BTLK is None:
@@ -87,9 +94,7 @@ class TrainerWorker:
         m = self.t.train_step(batch, n_micro)
         if self.critic is not None and batch.returns_BT is not None:
             extra.update(self.critic.value_step(batch, n_micro))
-        trim_heap()
-        return {**m, **extra, "train/old_logprob_s": t_old, "train/busy_s": time.perf_counter() - t0,
-                "train/rss_gb": _rss_mb() / 1024.0}
+        return {**m, **extra, "train/old_logprob_s": t_old}
 
     def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False):
         if self.critic is None:

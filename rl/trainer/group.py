@@ -118,11 +118,13 @@ class TrainerGroup:
         return cls(workers, spec.micro_batch_size, pg)
 
     # ------------------------------------------------------------------ batch sharding
-    def _shards(self, batch: TrainBatch) -> tuple[list[tuple[TrainBatch, bool]], int]:
-        """Each rank's (shard, pad_only) and the common micro-batch count."""
+    def _shards(self, batch: TrainBatch, parts: list[list[int]] | None = None) -> tuple[list[tuple[TrainBatch, bool]], int]:
+        """Each rank's (shard, pad_only) and the common micro-batch count; `parts`: the rows of each
+        rank when the caller already has them (`split_micro_batches`)."""
         if self.world_size == 1:
             return [(batch, False)], 0
-        parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
+        if parts is None:
+            parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
         shards = [(batch.select(p), False) if p else (batch.select([0]), True) for p in parts]
         n_micro = max(len(micro_rows(s, self.micro_batch_size)) if not pad else 0 for s, pad in shards)
         return shards, n_micro
@@ -179,7 +181,7 @@ class TrainerGroup:
         if self.world_size == 1:
             return self._get(getattr(self.workers[0], method).remote(batch))
         parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
-        shards, n_micro = self._shards(batch)
+        shards, n_micro = self._shards(batch, parts)
         padded = method in ("compute_logprobs", "values")  # forwards through a (possibly ZeRO-3) engine
         args = [(s, n_micro, pad) if padded else (s,) for s, pad in shards]
         outs = self._get([getattr(w, method).remote(*a) for w, a in zip(self.workers, args)])
