@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("model", help="checkpoint directory, or a file:// / s3:// URL of an exported one (pulled first)")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
-    import uvicorn
+    from rl.http_run import run_until_stopped
 
     from rl.jobs.records import MAX_MODEL_LEN
     from rl.log import setup_logging
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     engine = RolloutEngine(EngineConfig(model_path=str(resolve_model(args.model)), max_model_len=MAX_MODEL_LEN, dtype="auto"))
     try:
-        uvicorn.run(build_app(engine), host="127.0.0.1", port=args.port, log_level="warning")
+        run_until_stopped(build_app(engine), "127.0.0.1", args.port, log_level="warning")
     finally:
         engine.shutdown()
     return 0

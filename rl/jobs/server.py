@@ -44,7 +44,7 @@ def repair(store: JobStore, broker: Broker) -> int:
 
 
 def serve(model: str, port: int, cfg: JobsConfig, host: str = "127.0.0.1") -> int:
-    import uvicorn
+    from rl.http_run import run_until_stopped
 
     from rl.jobs.api import create_app
     from rl.jobs.policy import wait_healthy
@@ -78,8 +78,9 @@ def serve(model: str, port: int, cfg: JobsConfig, host: str = "127.0.0.1") -> in
         autoscaler.start()
         app = create_app(store, broker, pool, autoscaler)
         log.info("jobs API on http://%s:%d (%d worker(s), policy %s)", host, port, cfg.initial_workers, policy_url)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        run_until_stopped(app, host, port, log_level="warning")
     finally:
+        log.info("shutting down")
         if autoscaler is not None:
             autoscaler.stop()
         if pool is not None:
@@ -95,4 +96,5 @@ def serve(model: str, port: int, cfg: JobsConfig, host: str = "127.0.0.1") -> in
         store.close()
         if redis_proc is not None:
             redis_proc.stop()
+            log.info("redis-server on port %d stopped (exit %s)", redis_proc.port, redis_proc.proc.returncode)
     return 0

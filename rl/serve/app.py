@@ -370,13 +370,13 @@ def serve(args: ServeArgs) -> int:
     except ServeError as e:
         print(f"jointrl serve: {e}", file=sys.stderr)
         return 2
-    import uvicorn
+    from rl.http_run import run_until_stopped
 
     app = create_app(service, args.api_key)
     log.info("serving %s on http://%s:%d/v1 (max_model_len %d, auth %s)", list(service.model_names), args.host, args.port,
              args.settings.max_model_len, "on" if args.api_key else "off")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        run_until_stopped(app, args.host, args.port, log_level="warning", access_log=False)
     finally:
         service.engine.shutdown()  # type: ignore[attr-defined]
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -58,6 +57,23 @@ class JobsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _redis_servers_on(port: int) -> list[int]:
+    """Pids of live redis-servers on `port`, read from /proc. redis rewrites its command line into the
+    title "redis-server 127.0.0.1:<port>"; a zombie's command line is empty."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            comm = (d / "comm").read_text().strip()
+            title = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").split()
+        except OSError:  # the process ended while we looked
+            continue
+        if comm == "redis-server" and (f"127.0.0.1:{port}" in title or f"*:{port}" in title):
+            pids.append(int(d.name))
+    return pids
 
 
 def _submit(url: str, **kw) -> str:
@@ -158,14 +174,14 @@ def test_fifty_jobs_burst_scaling_and_a_killed_worker(tiny_ckpt, policy_url, tmp
         store.close()
     finally:
         srv.stop()
-    # The server stopped its own redis-server on the way out: nothing listens on its port any more, so
-    # the port binds (SO_REUSEADDR lets a bind pass TIME_WAIT leftovers, never a live listener). A ping
-    # once returned without a ConnectionError here in a full run although the server had stopped its
-    # redis cleanly; a connect to a free port in the ephemeral range can connect to itself and read its
-    # own PING back, which redis-py's ping() takes as a non-PONG answer, not an error.
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", redis_port))
+    # SIGTERM ran the server's clean-up (uvicorn re-raises the signal, and rl/http_run.py keeps that from
+    # killing the process first), which stopped the server's own redis-server: no process is left whose
+    # command line is a redis-server on that port. Probing the port itself cannot tell: it lies in the
+    # ephemeral range, so once free any outgoing connection may take it as its local port (a bind then
+    # fails), or a connect may meet itself there (a ping then reads its own PING back).
+    assert srv.proc.returncode == 0, srv.log.read_text()[-1500:]
+    assert f"redis-server on port {redis_port} stopped" in srv.log.read_text()
+    assert _redis_servers_on(redis_port) == []
 
 
 def test_server_restart_loses_nothing_poison_is_dead_lettered_cancel_works(tiny_ckpt, policy_url, redis_url, tmp_path):
