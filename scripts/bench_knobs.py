@@ -6,16 +6,17 @@ Rows: torch threads (trainer.threads_per_rank), bf16 weights (model.dtype=bfloat
 mode), frozen bottom layers (trainer.frozen_layers), LoRA adapters (trainer.lora.*). The batch is
 shaped like a terminal-basics episode batch: B sequences of T tokens whose last `--gen` tokens carry
 the loss (the trainer computes logits only over that window). Settings run round-robin (`--rounds`),
-so load swings on this shared machine hit every row alike; the median per row is printed.
+so load swings on this shared machine hit every row alike; the median per row is printed. Each setting
+runs in a fresh process (two fp32 trainers of the real model do not fit in 24 GB together, and the peak
+resident size per row is then its own).
 
-    .venv/bin/python scripts/bench_knobs.py [--model smollm2-135m-moe] [--batch 8] [--tokens 448] [--gen 96]
+    .venv/bin/python scripts/bench_knobs.py [--model smollm2-135m-moe|tiny] [--batch 8] [--tokens 448] [--gen 96]
 
 It measures speed only: which knob helps *learning* is a training-run question (docs/training.md).
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -63,9 +64,26 @@ def _trainer(model_dir: str, k: Knob, micro: int):
     return PolicyTrainer(model_dir, spec, objective=None)
 
 
+def _row(k: Knob, model_dir: str, args, out) -> None:
+    import resource
+
+    from rl.trainer.actor import trim_heap
+
+    t = _trainer(model_dir, k, args.micro)
+    vocab = t.module.config.vocab_size
+    batch = _batch(args.batch, args.tokens, args.gen, vocab)
+    t.sft_step(batch)  # warm-up: allocator, optimizer state
+    trim_heap()
+    t0 = time.perf_counter()
+    t.sft_step(batch)
+    dt = time.perf_counter() - t0
+    out.put({"step_s": dt, "trainable": sum(p.numel() for p in t.module.parameters() if p.requires_grad),
+             "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 ** 2})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-moe", help="a pullable model name or a checkpoint dir")
+    ap.add_argument("--model", default="smollm2-135m-moe", help="a pullable model name, a checkpoint dir, or 'tiny' (the shipped HybridMoe)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=448, help="sequence length (prompt + generated)")
     ap.add_argument("--gen", type=int, default=96, help="loss-masked tail of each sequence")
@@ -75,11 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("JOINTRL_PROGRESS", "0")
-    from model import hub
-
-    model_dir = str(hub.pull(args.model)) if args.model in hub.names() else args.model
     import json
+    import multiprocessing as mp
 
+    if args.model == "tiny":
+        import tempfile
+
+        from model.modeling import HybridMoeForCausalLM
+        from model.shipped import load_shipped_config
+
+        model_dir = tempfile.mkdtemp()
+        HybridMoeForCausalLM(load_shipped_config("tiny")).save_pretrained(model_dir)
+    else:
+        from model import hub
+
+        model_dir = str(hub.pull(args.model)) if args.model in hub.names() else args.model
     n_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
     knobs = [Knob("fp32, 1 thread", 1), Knob("fp32, 2 threads", 2), Knob("bf16 weights, 2 threads", 2, dtype="bfloat16"),
              Knob(f"fp32, 2 threads, bottom {n_layers // 2} of {n_layers} layers frozen", 2, frozen_layers=n_layers // 2),
@@ -89,28 +117,28 @@ def main(argv: list[str] | None = None) -> int:
         keep = {s.strip() for s in args.only.split(",")}
         knobs = [k for k in knobs if k.name in keep]
     times: dict[str, list[float]] = {k.name: [] for k in knobs}
+    peaks: dict[str, list[float]] = {k.name: [] for k in knobs}
     trainable: dict[str, int] = {}
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    batch = _batch(args.batch, args.tokens, args.gen, vocab)
+    ctx = mp.get_context("spawn")
     for r in range(args.rounds):
         for k in knobs:
-            t = _trainer(model_dir, k, args.micro)
-            trainable[k.name] = sum(p.numel() for p in t.module.parameters() if p.requires_grad)
-            t.sft_step(batch)  # warm-up: allocator, optimizer state
-            t0 = time.perf_counter()
-            t.sft_step(batch)
-            times[k.name].append(time.perf_counter() - t0)
-            print(f"  round {r} {k.name}: {times[k.name][-1]:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
-            del t
-            gc.collect()
+            q = ctx.Queue()
+            p = ctx.Process(target=_row, args=(k, model_dir, args, q))
+            p.start()
+            res = q.get()
+            p.join()
+            times[k.name].append(res["step_s"])
+            peaks[k.name].append(res["peak_gb"])
+            trainable[k.name] = res["trainable"]
+            print(f"  round {r} {k.name}: {res['step_s']:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
     tokens = args.batch * args.tokens
     base = statistics.median(times[knobs[0].name])
     print(f"\nsupervised step, {args.batch} x {args.tokens} tokens (loss on the last {args.gen}), {Path(model_dir).name}, "
           f"median of {args.rounds}; load average at the end {os.getloadavg()[0]:.1f}")
-    print(f"{'setting':<52} {'trainable':>11} {'step s':>8} {'tok/s':>8} {'vs first':>9}")
+    print(f"{'setting':<52} {'trainable':>11} {'step s':>8} {'tok/s':>8} {'vs first':>9} {'peak GB':>8}")
     for k in knobs:
         s = statistics.median(times[k.name])
-        print(f"{k.name:<52} {trainable[k.name] / 1e6:>10.1f}M {s:>8.2f} {tokens / s:>8.1f} {base / s:>8.2f}x")
+        print(f"{k.name:<52} {trainable[k.name] / 1e6:>10.1f}M {s:>8.2f} {tokens / s:>8.1f} {base / s:>8.2f}x {max(peaks[k.name]):>8.2f}")
     return 0
 
 

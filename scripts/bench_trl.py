@@ -35,8 +35,9 @@ and does neither. jointrl's trainer runs one
 torch thread (`JOINTRL_TRAINER_THREADS`, default 1) beside the vLLM engine; TRL runs one process with
 `--trl-threads` torch threads (default 1: on this shared, oversubscribed 2-core machine torch's
 default of one thread per core made TRL's forward 2.5x and its generate 5x slower than one thread;
-`--trl-threads 0` keeps torch's default). TRL's gradient checkpointing and bf16 (its defaults) are
-off: on CPU both cost TRL time. Each choice is TRL's faster setting here, so the ratio is conservative.
+`--trl-threads 0` keeps torch's default). TRL's gradient checkpointing (its default) is off: on CPU it
+costs TRL time. Both sides run fp32 unless `--bf16`, which puts each side in its own bf16 mode (jointrl:
+bf16 weights in DeepSpeed, the engine and the sync; TRL: accelerate's bf16 autocast over fp32 weights).
 
 Timing: the first `--warmup` steps of each side are dropped (engine / allocator warm-up). jointrl's
 step times come from its metrics.jsonl (`time/*`, rl/observe/telemetry.py: time_breakdown); TRL's from a
@@ -99,6 +100,8 @@ class BenchSpec:
     model: str = "smollm2-135m"        # a `jointrl models pull` name
     trl_threads: int = 1               # torch threads of the TRL process; 0 = torch's default (one per core)
     jointrl_threads: int = 1           # jointrl's trainer.threads_per_rank and rollout.threads_per_worker
+    bf16: bool = False                 # each side's bf16 mode: jointrl bf16 weights (trainer, engine, sync); TRL bf16 autocast
+    gap_every: int = 1                 # jointrl's logging.gap_every: the post-sync engine-vs-trainer check every k steps (0 = off)
     out: str = "runs/bench-trl"        # run directories and results.json
 
     @property
@@ -139,6 +142,12 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
     p.add_argument("--jointrl-threads", type=int, default=d.jointrl_threads,
                    help="torch threads of jointrl's trainer rank and of its rollout engine (trainer.threads_per_rank, "
                         "rollout.threads_per_worker); the two never run at once in a synchronous step")
+    p.add_argument("--bf16", action="store_true",
+                   help="each side's bf16 mode: jointrl's trainer, engine and sync in bf16 (model.dtype, rollout.dtype, "
+                        "trainer.sync_format); TRL's bf16 autocast over fp32 weights (GRPOConfig bf16=True)")
+    p.add_argument("--gap-every", type=int, default=d.gap_every,
+                   help="jointrl's logging.gap_every: run the post-sync engine-vs-trainer logprob check every k steps "
+                        "(0: never); TRL has no such check")
     p.add_argument("--out", default=d.out, help="where run directories and results.json go (relative: to the repo)")
     p.add_argument("--trl-worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)  # internal: the TRL side
     a = p.parse_args(argv)
@@ -149,6 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.jointrl_threads < 1:
         p.error(f"--jointrl-threads must be >= 1, got {a.jointrl_threads}")
+    if a.gap_every < 0:
+        p.error(f"--gap-every must be >= 0 (0: never), got {a.gap_every}")
     if a.trl_threads < 0:
         p.error(f"--trl-threads must be >= 0 (0: torch's default), got {a.trl_threads}")
     if a.micro_batch < 1 or (a.prompts * a.generations) % a.micro_batch:
@@ -165,16 +176,17 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
     return BenchSpec(dataset=a.dataset, prompts=a.prompts, generations=a.generations, max_new_tokens=a.max_new_tokens,
                      steps=a.steps, warmup=a.warmup, micro_batch=a.micro_batch, temperature=a.temperature, lr=a.lr,
                      seed=a.seed, model=a.model,
-                     trl_threads=a.trl_threads, jointrl_threads=a.jointrl_threads, out=a.out)
+                     trl_threads=a.trl_threads, jointrl_threads=a.jointrl_threads, bf16=a.bf16, gap_every=a.gap_every, out=a.out)
 
 
 def jointrl_overrides(spec: BenchSpec, model_dir: Path, run_dir: Path) -> list[str]:
     """The dotted overrides of jointrl's run (rl/config.py): one turn, one domain, the shared sizes."""
     n = spec.max_new_tokens
+    dtype = "bfloat16" if spec.bf16 else "float32"
     return [
         "name=bench-trl-jointrl", f"run_dir={run_dir}",
-        f"model.arch={model_dir}", "model.dtype=float32", f"model.seed={spec.seed}",
-        "rollout.dtype=float32", f"rollout.max_new_tokens_per_turn={n}", f"rollout.temperature={spec.temperature}",
+        f"model.arch={model_dir}", f"model.dtype={dtype}", f"model.seed={spec.seed}",
+        f"rollout.dtype={dtype}", f"trainer.sync_format={'bf16' if spec.bf16 else 'fp32'}", f"rollout.max_new_tokens_per_turn={n}", f"rollout.temperature={spec.temperature}",
         "rollout.top_p=1.0", f"rollout.max_model_len={1024 + n}", "rollout.kv_cache_gib=0.5",
         # the rg tasks carry the "low" thinking tier; with no reasoning format a tier's budget caps the
         # turn's tokens, so every tier is uncapped and max_new_tokens_per_turn alone bounds the completion
@@ -189,7 +201,7 @@ def jointrl_overrides(spec: BenchSpec, model_dir: Path, run_dir: Path) -> list[s
         f"trainer.threads_per_rank={spec.jointrl_threads}", f"rollout.threads_per_worker={spec.jointrl_threads}",
         f"trainer.steps={spec.total_steps}", "trainer.sft_steps=0", "trainer.checkpoint_every=0", "trainer.resume=false",
         "eval.n_per_domain=1", "eval.samples=1",
-        f"logging.samples_per_domain={spec.batch}", "logging.wandb_mode=disabled",
+        f"logging.samples_per_domain={spec.batch}", "logging.wandb_mode=disabled", f"logging.gap_every={spec.gap_every}",
     ]
 
 
@@ -203,7 +215,7 @@ def trl_config_kwargs(spec: BenchSpec, output_dir: str) -> dict[str, Any]:
         top_p=1.0, top_k=0, learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, beta=0.0, num_iterations=1, loss_type="grpo",
         scale_rewards="group", epsilon=0.2, epsilon_high=0.28, max_steps=spec.total_steps, shuffle_dataset=False,
-        seed=spec.seed, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=1,
+        seed=spec.seed, use_cpu=True, bf16=spec.bf16, fp16=False, gradient_checkpointing=False, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
         log_completions=False,
     )

@@ -8,6 +8,7 @@ out-of-process reasoning-gym judge, `rl.config.load_config`.
 """
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import importlib.util
 import json
@@ -45,10 +46,10 @@ def test_defaults_are_the_spec_defaults():
 def test_every_flag_reaches_the_spec():
     s = b.parse_args(["--dataset", "chain_sum", "--prompts", "3", "--generations", "5", "--max-new-tokens", "32",
                       "--steps", "2", "--warmup", "0", "--micro-batch", "5", "--temperature", "0.7", "--lr", "3e-6", "--seed", "7",
-                      "--model", "smollm2-135m-moe", "--trl-threads", "0", "--jointrl-threads", "2", "--out", "/tmp/x"])
+                      "--model", "smollm2-135m-moe", "--trl-threads", "0", "--jointrl-threads", "2", "--gap-every", "0", "--bf16", "--out", "/tmp/x"])
     assert s == b.BenchSpec(dataset="chain_sum", prompts=3, generations=5, max_new_tokens=32, steps=2, warmup=0,
                             micro_batch=5, temperature=0.7, lr=3e-6, seed=7, model="smollm2-135m-moe", trl_threads=0,
-                            jointrl_threads=2, out="/tmp/x")
+                            jointrl_threads=2, gap_every=0, bf16=True, out="/tmp/x")
     assert (s.env_id, s.batch, s.total_steps) == ("rg-chain_sum-v0", 15, 2)
     assert s.out_dir() == Path("/tmp/x") and b.BenchSpec(out="runs/r").out_dir() == REPO / "runs" / "r"
 
@@ -65,6 +66,7 @@ def test_every_flag_reaches_the_spec():
     (["--lr=-1e-6"], "--lr must be > 0"),
     (["--trl-threads", "-2"], "--trl-threads must be >= 0"),
     (["--jointrl-threads", "0"], "--jointrl-threads must be >= 1"),
+    (["--gap-every", "-1"], "--gap-every must be >= 0"),
     (["--dataset", "../etc"], "--dataset must be a reasoning-gym dataset name"),
     (["--prompts", "two"], "invalid int value"),
 ])
@@ -76,7 +78,7 @@ def test_bad_arguments_are_refused_with_the_reason(argv, says, capsys):
 
 
 SPEC = b.BenchSpec(dataset="chain_sum", prompts=3, generations=5, max_new_tokens=32, steps=2, warmup=2, jointrl_threads=2,
-                   micro_batch=5, temperature=0.7, lr=3e-6, seed=7)
+                   micro_batch=5, temperature=0.7, lr=3e-6, seed=7, gap_every=3)
 
 
 def test_jointrl_overrides_make_a_valid_run_with_the_shared_settings(tmp_path):
@@ -95,6 +97,10 @@ def test_jointrl_overrides_make_a_valid_run_with_the_shared_settings(tmp_path):
     assert (cfg.algorithm.dynamic_sampling, cfg.algorithm.kl_coef, cfg.trainer.resume) == ("off", 0.0, False)
     assert cfg.logging.samples_per_domain == 15  # every episode's task id is logged, to check the replay
     assert (cfg.trainer.threads_per_rank, cfg.rollout.threads_per_worker) == (SPEC.jointrl_threads,) * 2
+    assert cfg.logging.gap_every == 3
+    bf = load_config(None, b.jointrl_overrides(dataclasses.replace(SPEC, bf16=True), Path("tiny"), tmp_path / "run"))
+    assert (bf.model.dtype, bf.rollout.dtype, bf.trainer.sync_format) == ("bfloat16", "bfloat16", "bf16")
+    assert cfg.trainer.sync_format == "fp32"
 
 
 def test_trl_gets_the_same_settings_as_jointrl(tmp_path):
@@ -122,6 +128,7 @@ def test_trl_gets_the_same_settings_as_jointrl(tmp_path):
     # per-sequence token means on both sides; fp32, no gradient checkpointing, jointrl's task order
     assert cfg.algorithm.aggregation == "seq_mean_token_mean" and k["loss_type"] == "grpo"
     assert (k["bf16"], k["fp16"], k["gradient_checkpointing"], k["shuffle_dataset"], k["use_cpu"]) == (False, False, False, False, True)
+    assert b.trl_config_kwargs(dataclasses.replace(SPEC, bf16=True), str(tmp_path / "trl"))["bf16"] is True
 
 
 def test_the_trl_venv_takes_the_projects_pins():
