@@ -647,7 +647,8 @@ def trl_worker(spec_path: str) -> int:
     measured = steps[bench.warmup:]
     n_prompts = bench.prompts * bench.warmup
     notes = [f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} torch threads, fp32, transformers' generate (no vLLM)"]
+             f"{torch.get_num_threads()} torch threads, {'bf16 autocast over fp32 weights' if bench.bf16 else 'fp32'}, "
+             "transformers' generate (no vLLM)"]
     for k, ids in enumerate(seen_ids):
         want = sorted(r["task_id"] for r in rows[k * bench.prompts:(k + 1) * bench.prompts] for _ in range(bench.generations))
         if sorted(ids) != want:
@@ -682,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = run_trl(spec, model_dir, plan, limits)
     t2 = time.perf_counter()
     table = format_table(j, t)
-    print(f"\njointrl vs TRL GRPOTrainer: {spec.model} fp32, {spec.env_id} (one turn, answer tool), "
+    print(f"\njointrl vs TRL GRPOTrainer: {spec.model} {'bf16 (each side its own mode)' if spec.bf16 else 'fp32'}, {spec.env_id} (one turn, answer tool), "
           f"{spec.prompts} prompts x {spec.generations} samples x <= {spec.max_new_tokens} new tokens, "
           f"lr {spec.lr}, temperature {spec.temperature}; {spec.warmup} warm-up + {spec.steps} measured steps per side "
           f"(whole runs: jointrl {t1 - t0:.0f} s with start-up and evaluation, TRL {t2 - t1:.0f} s)\n")

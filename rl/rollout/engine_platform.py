@@ -16,6 +16,7 @@ What it does not do
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections import defaultdict
@@ -25,6 +26,30 @@ if TYPE_CHECKING:
     import torch
 
     from rl.rollout.engine import EngineConfig
+
+
+log = logging.getLogger("jointrl.rollout.engine")
+
+# vLLM's layerwise reload logs "<Layer>: Failed to load weights" for every layer that received no tensor
+# in a reload and then puts that layer's current weights back. An update that carries only what trained
+# (frozen bottom layers, partial syncs) makes thousands of such lines per sync, each one the intended
+# outcome; `check_update_complete` already refuses the case that would be wrong (half of a fused tensor).
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED_MSG = "%s: Failed to load weights"
+
+
+class _CountLayersKept(logging.Filter):
+    """Drops vLLM's per-layer "Failed to load weights" record during a reload and counts it instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _NOT_LOADED_MSG:
+            self.kept += 1
+            return False
+        return True
 
 
 class EngineError(RuntimeError):
@@ -119,11 +144,17 @@ def reload_with_moe_fix(worker: Any, weights: list[tuple[str, "torch.Tensor"]], 
 
         qm.process_weights_after_loading = recording  # instance attribute shadows the method
         originals.append(qm)
+    counter = _CountLayersKept()
+    layerwise_log = logging.getLogger(_LAYERWISE_LOGGER)
+    layerwise_log.addFilter(counter)
     try:
         worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     finally:
+        layerwise_log.removeFilter(counter)
         for qm in originals:
             del qm.process_weights_after_loading
+    if counter.kept:
+        log.debug("weight update: %d layers received no tensors and kept their current weights", counter.kept)
     if worker_is_cpu():
         _refresh_tied_cpu_linears(model)
         _load_fused_cpu_experts(model, weights, repack_moe)

@@ -11,6 +11,8 @@ adapter path is checked on the dense model and the merged path on both.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing as mp
 import os
 
@@ -333,6 +335,28 @@ def _gap(engine_lp, trainer_BT, seqs, mask_BT) -> float:
     return float(np.concatenate(d).max())
 
 
+@contextlib.contextmanager
+def _records(*names: str):
+    """Every record the named loggers emit (DEBUG and up) while the block runs, whatever handlers they have."""
+    got: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record)
+
+    h, loggers = Keep(logging.DEBUG), [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(h)
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield got
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.removeHandler(h)
+            lg.setLevel(lv)
+
+
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory, trainer_pool):
     from tests.helpers.checkpoints import TinyModelSpec, build_test_checkpoint, build_tiny_checkpoint
@@ -359,8 +383,12 @@ def test_adapter_sync_and_merged_fallback_match_the_trainer_on_real_engines(sync
         assert _gap(base_lp, d["lp0"], d["seqs"], d["mask"]) < FP32_TOL  # step 0: base == trainer
         moved = _gap(base_lp, d["lp1"], d["seqs"], d["mask"])
         assert moved > 100 * FP32_TOL  # the step changed the policy
-        # Merged path on this engine (no adapter loaded yet): only the adapted tensors, merged.
-        st = w.update_weights(d["merged"], version=1)
+        # Merged path on this engine (no adapter loaded yet): only the adapted tensors, merged. Every other
+        # layer receives nothing and keeps its weights: counted in one debug line, not one vLLM warning each.
+        with _records("jointrl.rollout.engine", "vllm.model_executor.model_loader.reload.layerwise") as seen:
+            st = w.update_weights(d["merged"], version=1)
+        assert not [r for r in seen if "Failed to load weights" in r.getMessage()]
+        assert [r for r in seen if "received no tensors and kept their current weights" in r.getMessage()]
         assert st.num_bytes == d["merged_bytes"] < d["full_bytes"]
         merged_lp = w.score(d["seqs"])
         merged_gap = _gap(merged_lp, d["lp1"], d["seqs"], d["mask"])

@@ -94,3 +94,58 @@ def test_rl_step_with_replay_and_checkpoint(tmp_path, zero_stage):
     assert r["replay_mode"] == ["train/routing_replay_r2"]
     assert r["moved"] > 1e-4  # the extra step changed the policy...
     assert r["restored"] < 1e-6  # ...and loading the checkpoint restored it exactly
+
+
+def _frozen(tmp: str) -> dict:
+    os.environ["JOINTRL_CACHE"] = str(REPO / ".cache")
+    from rl.paths import setup_cache_env
+
+    setup_cache_env()
+    import torch
+
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+    from rl.algos import aggregation_weights
+    from rl.objective import RLObjective
+    from rl.trainer.batch import collate
+    from rl.trainer.policy import PolicyTrainer, TrainerSpec
+
+    torch.manual_seed(0)
+    cfg = load_shipped_config("tiny")
+    HybridMoeForCausalLM(cfg).save_pretrained(f"{tmp}/init")
+    try:
+        PolicyTrainer(f"{tmp}/init", TrainerSpec(lr=1e-3, micro_batch_size=2, frozen_layers=cfg.num_hidden_layers + 1))
+        too_many = ""
+    except ValueError as e:
+        too_many = str(e)
+    tr = PolicyTrainer(f"{tmp}/init", TrainerSpec(lr=1e-3, micro_batch_size=2, frozen_layers=2), RLObjective(router_aux_coef=0.01))
+    eps = _episodes(4, 40, cfg.vocab_size, 1)
+    batch = collate(eps, [1.0, -1.0] * 2, domains=("a", "b"))
+    w, _ = aggregation_weights("domain_token_mean", batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B)
+    batch = batch.with_(loss_weights_BT=w)
+    before = {n: t.clone() for n, t in tr.named_weights()}
+    old_lp, routes = tr.compute_logprobs(batch)
+    tr.train_step(batch.with_(old_logprobs_BT=old_lp, routed_experts_BTLK=routes, routes_from="trainer"))
+    after = dict(tr.named_weights())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    frozen_numel = sum(p.numel() for n, p in tr.module.named_parameters() if not p.requires_grad)
+    return {"changed": sorted(changed), "names": sorted(before), "frozen_params": tr.frozen_params, "frozen_numel": frozen_numel,
+            "too_many": too_many, "layers": cfg.num_hidden_layers}
+
+
+def test_frozen_layers_keep_the_embeddings_and_bottom_layers_and_train_the_rest(tmp_path):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        r = pool.apply(_frozen, (str(tmp_path),))
+    assert f"trainer.frozen_layers={r['layers'] + 1}" in r["too_many"]
+
+    def layer(n: str) -> int | None:
+        parts = n.split(".")
+        return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+    bottom = [n for n in r["names"] if layer(n) in (0, 1) or "embed_tokens" in n]
+    top = [n for n in r["names"] if layer(n) is not None and layer(n) >= 2]
+    assert bottom and top
+    assert not set(bottom) & set(r["changed"])          # nothing frozen moved
+    assert len(set(top) & set(r["changed"])) > len(top) // 2  # the upper layers trained
+    assert r["frozen_params"] == r["frozen_numel"] > 0
