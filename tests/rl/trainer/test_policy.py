@@ -31,6 +31,16 @@ def _episodes(n: int, T: int, vocab: int, seed: int):
     return eps
 
 
+def _weighted_batch(n: int, T: int, vocab: int, seed: int):
+    """`n` episodes (advantages +1/-1 alternating over two domains), collated with domain-token-mean loss weights."""
+    from rl.algos import aggregation_weights
+    from rl.trainer.batch import collate
+
+    batch = collate(_episodes(n, T, vocab, seed), [1.0, -1.0] * (n // 2), domains=("a", "b"))
+    w, _ = aggregation_weights("domain_token_mean", batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B)
+    return batch.with_(loss_weights_BT=w)
+
+
 def _run(tmp: str, zero_stage: int) -> dict:
     os.environ["JOINTRL_CACHE"] = str(REPO / ".cache")
     from rl.paths import setup_cache_env
@@ -40,9 +50,7 @@ def _run(tmp: str, zero_stage: int) -> dict:
 
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
-    from rl.algos import aggregation_weights
     from rl.objective import RLObjective
-    from rl.trainer.batch import collate
     from rl.trainer.policy import PolicyTrainer, TrainerSpec
 
     torch.manual_seed(0)
@@ -50,10 +58,7 @@ def _run(tmp: str, zero_stage: int) -> dict:
     HybridMoeForCausalLM(cfg).save_pretrained(f"{tmp}/init")
     tr = PolicyTrainer(f"{tmp}/init", TrainerSpec(zero_stage=zero_stage, lr=1e-3, micro_batch_size=2, routing_replay="auto"),
                        RLObjective(router_aux_coef=0.01))
-    eps = _episodes(6, 48, cfg.vocab_size, 0)
-    batch = collate(eps, [1.0, -1.0] * 3, domains=("a", "b"))
-    w, _ = aggregation_weights("domain_token_mean", batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B)
-    batch = batch.with_(loss_weights_BT=w)
+    batch = _weighted_batch(6, 48, cfg.vocab_size, 0)
     before = {n: t.clone() for n, t in tr.named_weights()}
     old_lp, routes = tr.compute_logprobs(batch)
     # R2: recorded routes replayed reproduce the forward exactly
@@ -105,9 +110,7 @@ def _frozen(tmp: str) -> dict:
 
     from model.modeling import HybridMoeForCausalLM
     from model.shipped import load_shipped_config
-    from rl.algos import aggregation_weights
     from rl.objective import RLObjective
-    from rl.trainer.batch import collate
     from rl.trainer.policy import PolicyTrainer, TrainerSpec
 
     torch.manual_seed(0)
@@ -119,10 +122,7 @@ def _frozen(tmp: str) -> dict:
     except ValueError as e:
         too_many = str(e)
     tr = PolicyTrainer(f"{tmp}/init", TrainerSpec(lr=1e-3, micro_batch_size=2, frozen_layers=2), RLObjective(router_aux_coef=0.01))
-    eps = _episodes(4, 40, cfg.vocab_size, 1)
-    batch = collate(eps, [1.0, -1.0] * 2, domains=("a", "b"))
-    w, _ = aggregation_weights("domain_token_mean", batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B)
-    batch = batch.with_(loss_weights_BT=w)
+    batch = _weighted_batch(4, 40, cfg.vocab_size, 1)
     before = {n: t.clone() for n, t in tr.named_weights()}
     old_lp, routes = tr.compute_logprobs(batch)
     tr.train_step(batch.with_(old_logprobs_BT=old_lp, routed_experts_BTLK=routes, routes_from="trainer"))
