@@ -129,7 +129,7 @@ class EnvsSection:
     sampler_level: Literal["domain", "family"] = "domain"  # family: adapt per family (the run record's), split by base weight
     dump_c: float = 1.0  # DUMP's UCB exploration coefficient
     dump_temperature: float = 0.1  # softmax temperature from UCB scores to weights
-    default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})
+    default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})  # the tier of a domain's tasks that carry none (a task's own tier wins)
     sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
     max_turns: int = 8
     seed: int = 0
