@@ -24,6 +24,7 @@ CHILD = textwrap.dedent("""
     out = sys.argv[2]
     try:
         got = run_until_stopped(app, "127.0.0.1", int(sys.argv[1]), log_level="warning")
+        open(out + ".draining", "w").write("")
         time.sleep(float(sys.argv[3]))  # a drain: a repeated SIGTERM lands in here
         open(out, "w").write(f"cleaned {got}")
     finally:
@@ -44,10 +45,18 @@ def _start(out: Path, drain_s: float, child: str = CHILD) -> tuple[subprocess.Po
             time.sleep(0.1)
 
 
+def _wait_draining(proc: subprocess.Popen, out: Path) -> None:
+    """Until the child has left uvicorn and entered its drain (the clean-up after run_until_stopped)."""
+    deadline = time.monotonic() + 30
+    while not Path(f"{out}.draining").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_sigterm_returns_to_the_caller_and_a_repeated_term_does_not_cut_the_drain(tmp_path):
     proc, out = _start(tmp_path / "out", drain_s=1.5)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.7)  # inside the drain
+    _wait_draining(proc, out)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert out.read_text() == f"cleaned {int(signal.SIGTERM)}"
@@ -61,7 +70,7 @@ def test_sigint_returns_to_the_caller_and_a_second_one_forces_the_exit(tmp_path)
 
     proc, out = _start(tmp_path / "second", drain_s=30.0)
     proc.send_signal(signal.SIGINT)
-    time.sleep(1.0)
+    _wait_draining(proc, out)
     proc.send_signal(signal.SIGINT)  # during the 30 s drain: KeyboardInterrupt, the finally still runs
     assert proc.wait(timeout=20) != 0
     assert not out.exists() and Path(f"{out}.finally").read_text() == "ran"
