@@ -195,6 +195,9 @@ class TrainerSection:
     sft_steps: int = 0
     sft_lr: float = 1e-3
     sft_tasks_per_domain: int = 0  # train tasks whose reference solutions make the SFT set; 0 = max(4, 4 x tasks_per_step)
+    # A JSONL file of demonstrations (assistant turns per train task, rl/sft.py) that replaces the references
+    # as the SFT set, used as given whatever it scores; "" = the references. Relative to the working directory.
+    sft_data: str = ""
     tasks_per_step: int = 4
     async_mode: bool = False  # updates overlap later steps' rollouts
     max_staleness: int = 1  # async mode: at most this many updates run behind the rollouts (policy-version lag <= k)
@@ -490,6 +493,12 @@ def validate(cfg: RunConfig) -> None:
                  "eval.temperature": cfg.eval.temperature}.items():
         if v < 0:
             raise ConfigError(f"config key '{k}': value {v} must be >= 0")
+    if cfg.trainer.sft_data and not Path(cfg.trainer.sft_data).is_file():
+        raise ConfigError(f"config key 'trainer.sft_data': {cfg.trainer.sft_data!r} is not a file (a JSONL of "
+                          "demonstrations, rl/sft.py; \"\" = the domains' reference solutions)")
+    if cfg.trainer.sft_data and cfg.trainer.sft_tasks_per_domain:
+        raise ConfigError("config keys 'trainer.sft_data' and 'trainer.sft_tasks_per_domain': set one of them (the file "
+                          f"decides its tasks); got {cfg.trainer.sft_data!r} and {cfg.trainer.sft_tasks_per_domain}")
     if cfg.eval.budget_episodes < 0:
         raise ConfigError(f"config key 'eval.budget_episodes': value {cfg.eval.budget_episodes} must be >= 0 (0 = off)")
     if 0 < cfg.eval.budget_episodes < cfg.eval.samples:

@@ -259,6 +259,10 @@ class Runtime:
             ds_eval = envs.tasks(self.env_ids[d], "heldout", seed=cfg.envs.seed)
             self.train_tasks[d] = [self._with_defaults(Task.from_row(r), tier, d) for r in ds_train]
             self.eval_tasks[d] = [self._with_defaults(Task.from_row(r), tier, d) for r in ds_eval]
+        if with_trainer and cfg.trainer.sft_data:
+            from rl.sft import run_demonstrations
+
+            run_demonstrations(self)  # a bad demonstration file fails here, before Ray or the trainer start
         self.sampler = DomainSampler(self.train_tasks, dict(cfg.envs.weights), seed=cfg.envs.seed,
                                      adaptive=cfg.envs.adaptive_weights, min_weight=cfg.envs.min_weight)
 

@@ -1,16 +1,29 @@
-"""Supervised warm start data: reference trajectories from the environments, as token episodes.
+"""Supervised warm start data: trajectories on train tasks, replayed in the environments, as token episodes.
 
-Each domain's task generator ships a scripted reference solution. We run it through the real
-environment (sandbox, tools, grader) on *train* tasks only, keep the transcripts that score 1,
-and tokenise them with the run's chat codec exactly as the agent loop would build them: prompt and
-tool turns (`codec.prompt_ids`, `codec.turn_ids`) have loss mask 0, assistant completions
-(`codec.completion_ids`) mask 1. The result is a list of `Episode`s the trainer's `sft_step` consumes
-(`sft_warm_start` runs the steps). Held-out tasks never appear.
+Two sources, one per run:
+
+* the domains' scripted reference solutions (the default): run through the real environment
+  (sandbox, tools, grader) on *train* tasks only; transcripts that do not score 1 are dropped, since a
+  failing reference is a domain bug;
+* a demonstration file (`trainer.sft_data`): the assistant turns of an outside source, such as a teacher
+  model or people, one JSON line per task (`{"task_id": ..., "messages": [assistant messages in the
+  OpenAI format]}`). The turns are replayed in the real environment, so tool results are the
+  environment's own, and the set is kept as given whatever it scores: it is the user's data. Its graded
+  reward is logged and returned (`sft/data_reward`), so a run shows how good its demonstrations were.
+  Ids must name train tasks of the run's domains; a held-out id is refused.
+
+Either way the transcripts are tokenised with the run's chat codec exactly as the agent loop builds
+them: prompt and tool turns (`codec.prompt_ids`, `codec.turn_ids`) have loss mask 0, assistant
+completions (`codec.completion_ids`) mask 1. The result is a list of `Episode`s the trainer's
+`sft_step` consumes (`sft_warm_start` runs the steps). Held-out tasks never appear.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 from jointrl.records import Message, Task
 from rl.log import get_logger
@@ -50,17 +63,72 @@ def transcript_to_episode(task: Task, messages: Sequence[Message], tools: Sequen
                    rollout_logprobs=tuple([0.0] * len(ids)), messages=tuple(messages), reward=reward)
 
 
-async def _reference_episode(make_env: Callable[[Task], Any], task: Task, tok: Any, chat: Any) -> Episode | None:
-    from envs.play import policy_for
+@dataclass(frozen=True)
+class Demonstration:
+    """One task's assistant turns from a demonstration file (`trainer.sft_data`)."""
+
+    task_id: str
+    actions: tuple[Message, ...]
+
+
+def read_demonstrations(path: str | Path, train: Mapping[str, Task], heldout_ids: set[str],
+                        key: str = "trainer.sft_data") -> list[tuple[Task, Demonstration]]:
+    """Parse and check a demonstration file against the run's task pools (`train`: id -> train task).
+
+    Raises `ConfigError` naming `key` and the line for: unreadable JSON, a line without `task_id` or
+    `messages`, a message that is not the assistant's, an id of a held-out task (held-out tasks never feed
+    training), an id the run's train pools do not hold, or a file with no demonstrations."""
+    from rl.config import ConfigError
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config key '{key}': {str(path)!r} is not a file")
+    out: list[tuple[Task, Demonstration]] = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"config key '{key}': {p}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("task_id"), str) or not isinstance(row.get("messages"), list):
+            raise ConfigError(f'{where}: each line must be {{"task_id": str, "messages": [assistant messages]}}')
+        tid = row["task_id"]
+        if tid in heldout_ids:
+            raise ConfigError(f"{where}: task {tid!r} is a held-out task; demonstrations may use train tasks only")
+        if tid not in train:
+            raise ConfigError(f"{where}: task {tid!r} is not a train task of this run's domains (envs.weights, envs.seed)")
+        try:
+            msgs = tuple(Message.from_openai(m) for m in row["messages"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{where}: a message is not in the OpenAI chat format ({e})") from None
+        bad = [m.role for m in msgs if m.role != "assistant"]
+        if bad or not msgs:
+            raise ConfigError(f"{where}: give the assistant's messages only (tool results come from replaying them); "
+                              f"got roles {bad or 'none'}")
+        out.append((train[tid], Demonstration(tid, msgs)))
+    if not out:
+        raise ConfigError(f"config key '{key}': {p} holds no demonstrations")
+    return out
+
+
+async def _reference_episode(make_env: Callable[[Task], Any], task: Task, tok: Any, chat: Any,
+                             actions: Sequence[Message] | None = None) -> Episode | None:
+    """The episode of `task` played by `actions` (a demonstration, kept whatever it scores) or, when None, by
+    the domain's reference solution (dropped unless it scores 1)."""
+    from envs.play import ScriptedPolicy, policy_for
 
     env = make_env(task)
     try:
         prompt, tools = await env.reset(task)
-        policy = policy_for(env, task, "reference")
+        policy = ScriptedPolicy(list(actions)) if actions is not None else policy_for(env, task, "reference")
         history = list(prompt)
         done = False
         turns = 0
-        while not done and turns < task.limits.max_turns:
+        # A demonstration ends with its last turn (or the episode's end, or its turn limit, which drops the rest).
+        last = min(task.limits.max_turns, len(actions)) if actions is not None else task.limits.max_turns
+        while not done and turns < last:
             a = await policy(history, tools)
             res = await env.step(a)
             history.append(a)
@@ -68,7 +136,7 @@ async def _reference_episode(make_env: Callable[[Task], Any], task: Task, tok: A
             done = res.terminated or res.truncated
             turns += 1
         grade = await env.grade()
-        if grade.reward < 1.0 or grade.error:
+        if actions is None and (grade.reward < 1.0 or grade.error):
             log.warning("reference solution of %s scored %s (%s); skipped for SFT", task.id, grade.reward, grade.error)
             return None
         # Drop trailing tool output after the final (episode-ending) call: nothing to learn from it.
@@ -80,27 +148,48 @@ async def _reference_episode(make_env: Callable[[Task], Any], task: Task, tok: A
 
 
 async def reference_episodes(tasks: Sequence[Task], make_env: Callable[[Task], Any], tok: Any, chat: Any,
-                             max_concurrent: int = 4) -> list[Episode]:
+                             max_concurrent: int = 4, actions: Sequence[Sequence[Message]] | None = None) -> list[Episode]:
+    """Episodes of the *train* tasks among `tasks`, played by the references or, given `actions` (one list per
+    task), by those turns."""
     sem = asyncio.Semaphore(max_concurrent)
+    plays = list(actions) if actions is not None else [None] * len(tasks)
+    if len(plays) != len(tasks):
+        raise ValueError(f"reference_episodes: {len(tasks)} tasks but {len(plays)} action lists")
 
-    async def one(t: Task) -> Episode | None:
+    async def one(t: Task, a: Sequence[Message] | None) -> Episode | None:
         async with sem:
-            return await _reference_episode(make_env, t, tok, chat)
+            return await _reference_episode(make_env, t, tok, chat, a)
 
-    out = await asyncio.gather(*(one(t) for t in tasks if t.split == "train"))
+    out = await asyncio.gather(*(one(t, a) for t, a in zip(tasks, plays) if t.split == "train"))
     return [e for e in out if e is not None]
 
 
+def run_demonstrations(rt: Any) -> list[tuple[Task, Demonstration]]:
+    """`trainer.sft_data` read and checked against the runtime's task pools (`rt.train_tasks`, `rt.eval_tasks`)."""
+    train = {t.id: t for d in rt.domains for t in rt.train_tasks[d]}
+    heldout = {t.id for d in rt.domains for t in getattr(rt, "eval_tasks", {}).get(d, ())}
+    return read_demonstrations(rt.cfg.trainer.sft_data, train, heldout)
+
+
 def sft_data(rt: Any) -> list[Episode]:
-    """The run's SFT set: reference trajectories of the first `trainer.sft_tasks_per_domain` *train* tasks
-    of every weighted domain that score 1 and fit `rollout.max_model_len`. Built once per runtime (the
-    warm start and the SFT control arm use the same set). Held-out tasks never enter it."""
+    """The run's SFT set, episodes that fit `rollout.max_model_len`: with `trainer.sft_data`, that file's
+    demonstrations as given; otherwise reference trajectories of the first `trainer.sft_tasks_per_domain`
+    *train* tasks of every weighted domain that score 1. Built once per runtime (the warm start and the
+    SFT control arm use the same set). Held-out tasks never enter it."""
     cached = getattr(rt, "_sft_episodes", None)
     if cached is not None:
         return cached
-    per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
-    tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
-    eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.codec, max_concurrent=rt.cfg.envs.sandbox_slots))
+    slots = rt.cfg.envs.sandbox_slots
+    if rt.cfg.trainer.sft_data:
+        demos = run_demonstrations(rt)
+        eps = asyncio.run(reference_episodes([t for t, _ in demos], rt.make_env, rt.tok, rt.codec, max_concurrent=slots,
+                                             actions=[d.actions for _, d in demos]))
+        mean = sum(e.reward for e in eps) / max(1, len(eps))
+        log.info("SFT data: %d demonstrations from %s, replayed reward %.3f (used as given)", len(eps), rt.cfg.trainer.sft_data, mean)
+    else:
+        per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
+        tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
+        eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.codec, max_concurrent=slots))
     eps = [e for e in eps if len(e.token_ids) <= rt.cfg.rollout.max_model_len]
     rt._sft_episodes = eps
     return eps
@@ -144,10 +233,11 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
             bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
     rt.trainer.set_lr(rt.cfg.trainer.lr)
     rt.refresh_versions()
-    return {**m, "sft/trajectories": float(len(eps)), "sft/steps": float(done), "sft/seconds": time.perf_counter() - t0}
+    return {**m, "sft/trajectories": float(len(eps)), "sft/data_reward": sum(e.reward for e in eps) / len(eps),
+            "sft/steps": float(done), "sft/seconds": time.perf_counter() - t0}
 
 
 def sft_warm_start(rt: Any, steps: int) -> dict[str, float]:
-    """Supervised warm start on reference trajectories of train tasks (all weighted domains), through
+    """Supervised warm start on the run's SFT set (`sft_data`: references or `trainer.sft_data`), through
     the runtime's trainer (`rt`: rl.runtime.Runtime); the engines are not synced here."""
     return sft_train(rt, steps=steps, label="sft")
