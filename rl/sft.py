@@ -212,7 +212,7 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
     if not eps:
         log.warning("%s: no reference trajectories; no supervised steps", label)
         return {}
-    log.info("%s: %d reference trajectories, %s", label, len(eps), f"{steps} steps" if steps is not None else f"{seconds:.0f} s")
+    log.info("%s: %d trajectories, %s", label, len(eps), f"{steps} steps" if steps is not None else f"{seconds:.0f} s")
     rng = random.Random(rt.cfg.model.seed + seed_offset)
     rt.trainer.set_lr(rt.cfg.trainer.sft_lr)
     m: dict[str, float] = {}

@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts._spawn import result_of  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -81,22 +83,6 @@ def _row(k: Knob, model_dir: str, args, out) -> None:
              "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 ** 2})
 
 
-def _result(q, p, name: str) -> dict:
-    """The row's result, or an error naming the row if its process died first (killed for memory, say)."""
-    import queue
-
-    while True:
-        try:
-            return q.get(timeout=5)
-        except queue.Empty:
-            if not p.is_alive():
-                try:  # it may have reported just before exiting
-                    return q.get(timeout=1)
-                except queue.Empty:
-                    pass
-                raise SystemExit(f"bench_knobs: the process of row {name!r} exited with {p.exitcode} before reporting")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-moe", help="a pullable model name, a checkpoint dir, or 'tiny' (the shipped HybridMoe)")
@@ -141,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             q = ctx.Queue()
             p = ctx.Process(target=_row, args=(k, model_dir, args, q))
             p.start()
-            res = _result(q, p, k.name)
+            res = result_of(q, p, f"row {k.name!r}", "bench_knobs")
             p.join()
             times[k.name].append(res["step_s"])
             peaks[k.name].append(res["peak_gb"])

@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scripts._spawn import result_of  # noqa: E402
+
 ARMS = ("batch order, full width", "length-grouped, cut")
 
 
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         q = ctx.Queue()
         p = ctx.Process(target=_arm, args=(name, model_dir, args, q))
         p.start()
-        res[name] = q.get()
+        res[name] = result_of(q, p, f"arm {name!r}", "bench_microbatch")
         p.join()
         print(f"  {name}: {res[name]['step_s']:.1f} s per step", flush=True)
     base = res[ARMS[0]]

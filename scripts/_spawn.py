@@ -1,0 +1,23 @@
+"""Reading a benchmark row's result from the spawned process that measured it.
+
+Benchmarks that run each arm in a fresh process (so that arms do not share memory or warm caches) wait
+on a queue; a process that dies first (killed for memory, say) would leave that wait hanging forever.
+"""
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+
+def result_of(q: Any, p: Any, what: str, bench: str) -> Any:
+    """The item `p` puts on `q`, or `SystemExit` naming `bench` and `what` if `p` exits without one."""
+    while True:
+        try:
+            return q.get(timeout=5)
+        except queue.Empty:
+            if not p.is_alive():
+                try:  # it may have reported just before exiting
+                    return q.get(timeout=1)
+                except queue.Empty:
+                    pass
+                raise SystemExit(f"{bench}: the process of {what} exited with {p.exitcode} before reporting")
