@@ -53,6 +53,8 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
 
     run_dir, run_dir2 = tmp_path / "run", tmp_path / "run_resumed"
     cfg = _cfg(tiny_qwen_moe, run_dir, steps=3)
+    if ray.is_initialized():  # an instance an earlier test left in this process (with Ray's own niceness): the run starts its own
+        ray.shutdown()
     rt = Runtime.start(cfg)
     try:
         # A run's workers start at niceness 0 (rl/runtime.py), not Ray's default 15.
