@@ -262,7 +262,7 @@ class Runtime:
         if with_trainer and cfg.trainer.sft_data:
             from rl.sft import run_demonstrations
 
-            run_demonstrations(self)  # a bad demonstration file fails here, before Ray or the trainer start
+            self.sft_demonstrations = run_demonstrations(self)  # a bad file fails here, before Ray or the trainer start
         self.sampler = DomainSampler(self.train_tasks, dict(cfg.envs.weights), seed=cfg.envs.seed,
                                      adaptive=cfg.envs.adaptive_weights, min_weight=cfg.envs.min_weight)
 

@@ -113,7 +113,7 @@ def read_demonstrations(path: str | Path, train: Mapping[str, Task], heldout_ids
     return out
 
 
-async def _reference_episode(make_env: Callable[[Task], Any], task: Task, tok: Any, chat: Any,
+async def _replayed_episode(make_env: Callable[[Task], Any], task: Task, tok: Any, chat: Any,
                              actions: Sequence[Message] | None = None) -> Episode | None:
     """The episode of `task` played by `actions` (a demonstration, kept whatever it scores) or, when None, by
     the domain's reference solution (dropped unless it scores 1)."""
@@ -158,7 +158,7 @@ async def reference_episodes(tasks: Sequence[Task], make_env: Callable[[Task], A
 
     async def one(t: Task, a: Sequence[Message] | None) -> Episode | None:
         async with sem:
-            return await _reference_episode(make_env, t, tok, chat, a)
+            return await _replayed_episode(make_env, t, tok, chat, a)
 
     out = await asyncio.gather(*(one(t, a) for t, a in zip(tasks, plays) if t.split == "train"))
     return [e for e in out if e is not None]
@@ -181,7 +181,7 @@ def sft_data(rt: Any) -> list[Episode]:
         return cached
     slots = rt.cfg.envs.sandbox_slots
     if rt.cfg.trainer.sft_data:
-        demos = run_demonstrations(rt)
+        demos = getattr(rt, "sft_demonstrations", None) or run_demonstrations(rt)  # read at start-up by the Runtime
         eps = asyncio.run(reference_episodes([t for t, _ in demos], rt.make_env, rt.tok, rt.codec, max_concurrent=slots,
                                              actions=[d.actions for _, d in demos]))
         mean = sum(e.reward for e in eps) / max(1, len(eps))
