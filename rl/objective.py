@@ -30,7 +30,10 @@ class RLObjective:
     router_z_coef: float = 0.0
 
     def __call__(self, logprobs_BT: torch.Tensor, mb: Any, router_logits: Sequence[torch.Tensor] | None = None,
-                 routes_LNK: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 routes_LNK: torch.Tensor | None = None, token_mask_N: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        """`token_mask_N`: the real tokens among the router logits' N rows when the forward did not run `mb`'s
+        padded [B, T] layout (a shared-prefix packed forward, rl/trainer/packing.py); default: mb's attention mask."""
         mask = mb.loss_mask_BT > 0
         old = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logprobs_BT.detach()
         metrics: dict[str, float] = {}
@@ -49,7 +52,9 @@ class RLObjective:
             loss = loss + kl
             metrics.update(m)
         if router_logits is not None and len(router_logits) > 0:
-            token_mask_N = mb.attention_mask_BT.reshape(-1) > 0
+            if token_mask_N is None:
+                token_mask_N = mb.attention_mask_BT.reshape(-1) > 0
+            token_mask_N = token_mask_N > 0
             if routes_LNK is None:
                 raise ValueError("RLObjective: router_logits given without the routes the forward used")
             r_loss, m = router_losses(list(router_logits), routes_LNK, token_mask_N,

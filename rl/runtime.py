@@ -240,6 +240,7 @@ class Runtime:
         resume = with_trainer and cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
         init_dir = build_initial_checkpoint(cfg.model.arch, self.run_dir / "init_model", cfg.model.seed)
         self.lora = self._plan_lora(init_dir)
+        self._check_prefix_sharing(init_dir)
         # LoRA never changes the base weights: engines start from them and receive the adapter (or the merged tensors)
         serve_dir = self.ckpt_dir / "hf" if resume and self.lora is None else init_dir
         self.codec = build_codec(cfg.model, init_dir)
@@ -306,7 +307,7 @@ class Runtime:
                            grad_clip=cfg.trainer.grad_clip, warmup_steps=cfg.trainer.warmup_steps,
                            micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
                            routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias,
-                           frozen_layers=cfg.trainer.frozen_layers, **({"lora": self.lora.spec} if self.lora is not None else {}))
+                           frozen_layers=cfg.trainer.frozen_layers, prefix_sharing=cfg.trainer.prefix_sharing, **({"lora": self.lora.spec} if self.lora is not None else {}))
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
         cache_env["JOINTRL_TRAINER_THREADS"] = str(cfg.trainer.threads_per_rank)  # read by rl/trainer/actor.py
         t = cfg.trainer
@@ -336,6 +337,21 @@ class Runtime:
                                      resources={marker: NODE_RESOURCE_UNIT} if marker else None)
         self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
         log.info("rollout workers ready: %s", self.rollout_engine.health())
+
+    def _check_prefix_sharing(self, init_dir: Path) -> None:
+        """trainer.prefix_sharing='on' with a model whose attention cannot take a tree mask: a ConfigError
+        before Ray starts ('auto' then runs padded; rl/trainer/packing.py)."""
+        if self.cfg.trainer.prefix_sharing != "on":
+            return
+        from transformers import AutoConfig
+
+        from model.families import packing_refusal
+
+        import model  # noqa: F401  (registers hybrid_moe with AutoConfig)
+
+        why = packing_refusal(AutoConfig.from_pretrained(str(init_dir)))
+        if why:
+            raise ConfigError(f"config key 'trainer.prefix_sharing': 'on' but {why}; allowed values: 'auto', 'off' for this model")
 
     def _plan_lora(self, init_dir: Path):
         """The run's LoRA plan (rl/trainer/lora.py), or None without LoRA; says once which sync path runs and why."""

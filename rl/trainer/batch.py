@@ -83,15 +83,23 @@ _SCALARS = ("domains", "step_tokens", "step_seqs", "step_loss_tokens", "routes_f
 
 
 def micro_rows(batch: TrainBatch, size: int) -> list[list[int]]:
-    """Row indices of each micro-batch of `size`: rows ordered by real length (longest first, ties in
-    batch order), so a micro-batch holds sequences of similar length and `micro_batches` can cut it to
-    its own longest row. With batch order instead, one long episode (a retry after a malformed call)
-    pads every micro-batch it lands in to its length: compute and activation memory scale with the
-    padded width, not the real tokens."""
+    """Row indices of each micro-batch of `size`: groups ordered by their longest row (longest first,
+    ties in order of first appearance), a group's rows together and longest first. A micro-batch then
+    holds sequences of similar length, so `micro_batches` can cut it to its own longest row: with batch
+    order, one long episode (a retry after a malformed call) pads every micro-batch it lands in to its
+    length, and compute and activation memory scale with the padded width, not the real tokens. Rows of
+    a group share their prompt, and kept together the packed forward computes it once (rl/trainer/packing.py).
+    With one row per group this is plain longest-first order."""
     if size < 1:
         raise ValueError(f"micro_rows: size={size} must be >= 1")
     lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    order = sorted(range(batch.num_seqs), key=lambda i: (-lengths[i], i))
+    groups = batch.group_ids_B.tolist()
+    longest: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for i, (g, n) in enumerate(zip(groups, lengths)):
+        longest[g] = max(longest.get(g, 0), int(n))
+        first.setdefault(g, i)
+    order = sorted(range(batch.num_seqs), key=lambda i: (-longest[groups[i]], first[groups[i]], -lengths[i], i))
     return [order[s:s + size] for s in range(0, len(order), size)]
 
 

@@ -23,7 +23,7 @@ from rl.trainer.batch import TrainBatch, micro_rows, split_micro_batches
 
 # How per-rank metrics combine into the step's: summed, the slowest rank's, or rank 0's (equal on
 # every rank); anything else is a mean weighted by each rank's share of the step's sequences.
-_SUMMED = ("train/tokens", "train/micro_batches", "train/seqs", "value/loss")
+_SUMMED = ("train/tokens", "train/forward_tokens", "train/micro_batches", "train/seqs", "value/loss")
 _SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s", "value/step_s",
             "train/rss_gb")  # the largest rank's resident memory: the one Ray's OOM monitor would take first
 _RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm", "value/grad_norm")

@@ -21,11 +21,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from model.families import RouterHooks, family_of
+from model.families import RouterHooks, family_of, packing_refusal
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
 from rl.trainer.batch import TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
+from rl.trainer.packing import PrefixPack, logit_nodes, pack_prefixes, pack_routes, packed_logprobs, should_pack, unpack_routes
 
 log = get_logger("trainer")
 
@@ -48,6 +49,7 @@ class TrainerSpec:
     freeze_router_bias: bool = True
     lora: LoraSpec = LoraSpec()  # rank 0: full fine-tuning; else only peft adapters train (rl/trainer/lora.py)
     frozen_layers: int = 0  # the input embeddings and decoder layers [0, N) do not train (see freeze_bottom_layers)
+    prefix_sharing: str = "auto"  # auto | on | off: pack a group's shared prompt as a token tree (rl/trainer/packing.py)
 
 
 def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
@@ -166,6 +168,7 @@ class PolicyTrainer:
         if hasattr(module.config, "freeze_expert_bias"):  # RL practice: the aux-free selection bias stays put
             module.config.freeze_expert_bias = spec.freeze_router_bias
         self.frozen_params = freeze_bottom_layers(module, spec.frozen_layers)
+        self._packs: dict[int, bool] = {id(module): self._can_pack(module, "policy")}
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -193,6 +196,7 @@ class PolicyTrainer:
         for p in ref.parameters():
             p.requires_grad_(False)
         self._hooks[id(ref)] = router_hooks(ref)
+        self._packs[id(ref)] = self._can_pack(ref, "reference")
         self.reference = ref
 
     def use_base_reference(self) -> None:
@@ -208,12 +212,56 @@ class PolicyTrainer:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    def _can_pack(self, m: torch.nn.Module, role: str) -> bool:
+        """Whether `m`'s forwards may run shared-prefix packed (trainer.prefix_sharing; 'on' refuses a model that cannot)."""
+        mode = self.spec.prefix_sharing
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"trainer.prefix_sharing={mode!r}; allowed values: 'auto', 'on', 'off'")
+        if mode == "off":
+            return False
+        why = packing_refusal(m.config)
+        if why and mode == "on":
+            raise ValueError(f"trainer.prefix_sharing='on' but the {role} cannot pack: {why}; use 'auto' or 'off'")
+        return not why
+
+    def _pack_of(self, mb: TrainBatch, module: torch.nn.Module | None) -> PrefixPack | None:
+        """The micro-batch packed as token trees, or None to run it padded: packing is off for the model,
+        the batch carries images, or the packed forward would cost more (`should_pack`)."""
+        m = module if module is not None else self.module
+        if not self._packs.get(id(m), False) or mb.image_mask_BT is not None:
+            return None
+        pack = pack_prefixes(mb.input_ids_BT.cpu(), mb.attention_mask_BT.cpu(), mb.group_ids_B.cpu(), mb.domain_ids_B.cpu())
+        if not should_pack(pack, mb.attention_mask_BT, int(m.config.hidden_size)):
+            return None
+        return pack.to(mb.input_ids_BT.device)
+
+    def _pass(self, mb: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool,
+              module: torch.nn.Module | None = None) -> tuple[object, torch.Tensor, PrefixPack | None]:
+        """One micro-batch's forward and the logprobs [B, T] of its targets (at least every loss-masked one),
+        shared-prefix packed where `_pack_of` allows; the pack (or None) maps the forward's per-token outputs
+        (router logits, routes) back to the rows."""
+        pack = self._pack_of(mb, module)
+        if pack is None:
+            out = self._forward(mb, replay_BTLK=replay_BTLK, router_logits=router_logits, module=module)
+            return out, token_logprobs(out.logits, mb.input_ids_BT), None
+        keep_K, rows_M = logit_nodes(pack, mb.loss_mask_BT)
+        kw = dict(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
+                  position_ids=pack.position_ids_PN, logits_to_keep=keep_K)
+        replay = pack_routes(replay_BTLK, pack) if replay_BTLK is not None else None
+        out = self._run(kw, replay_BTLK=replay, router_logits=router_logits, module=module)
+        return out, packed_logprobs(out.logits, pack, keep_K, rows_M, mb.input_ids_BT, mb.loss_mask_BT), pack
+
     def _forward(self, batch: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool,
                  module: torch.nn.Module | None = None):
         # Logits only where a loss-masked target needs them (the prompt carries no loss).
         kw = dict(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                   logits_to_keep=logits_window(batch.loss_mask_BT))
         kw.update(self._image_inputs(batch))
+        return self._run(kw, replay_BTLK=replay_BTLK, router_logits=router_logits, module=module)
+
+    def _run(self, kw: dict, *, replay_BTLK: torch.Tensor | None, router_logits: bool,
+             module: torch.nn.Module | None = None):
+        """The model call with router recording / replay set up; `replay_BTLK` in the layout of `kw`'s rows."""
         hooks = self._hooks_of(module)
         if router_logits and hooks is None:  # HF families: the router hooks record the logits
             kw["output_router_logits"] = True
@@ -279,14 +327,15 @@ class PolicyTrainer:
         mode = self.routing_mode(batch)
         out_lp, out_routes = [], []
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
-            out = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if mode == "r3" else None, router_logits=False)
+            out, lp, pack = self._pass(mb, replay_BTLK=mb.routed_experts_BTLK if mode == "r3" else None, router_logits=False)
             if padding:
                 continue
-            out_lp.append(token_logprobs(out.logits, mb.input_ids_BT))
+            out_lp.append(lp)
             if mode == "r2":
                 B, T = mb.input_ids_BT.shape
                 r_LNK = self._routes_used_LNK(out, None)
-                out_routes.append(r_LNK.reshape(r_LNK.shape[0], B, T, -1).permute(1, 2, 0, 3))
+                out_routes.append(unpack_routes(r_LNK, pack) if pack is not None
+                                  else r_LNK.reshape(r_LNK.shape[0], B, T, -1).permute(1, 2, 0, 3))
         self.engine.train()
         if not out_lp:  # a padding-only shard
             return batch.loss_mask_BT[:0].clone(), None
@@ -308,9 +357,9 @@ class PolicyTrainer:
 
         with self.module.disable_adapter() if self.reference_is_base else nullcontext():
             for mb, _ in self._micro_batches(batch):
-                o = self._forward(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
-                                  module=self.reference)
-                out.append(token_logprobs(o.logits, mb.input_ids_BT))
+                _, lp, _ = self._pass(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
+                                      module=self.reference)
+                out.append(lp)
         return stitch_rows(out, batch, self.spec.micro_batch_size)
 
     # ------------------------------------------------------------------ steps
@@ -332,20 +381,24 @@ class PolicyTrainer:
         n_mb = 0
         tele = self._moe_telemetry()
         fwd_lp: list[torch.Tensor] = []  # pi_old's logprobs: this forward runs the policy that made them
+        fwd_tokens = 0  # positions the forwards computed, padding included (packed: tree nodes)
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
             replay = mb.routed_experts_BTLK if mode in ("r3", "r2") else None
-            out = self._forward(mb, replay_BTLK=replay, router_logits=True)
-            lp = token_logprobs(out.logits, mb.input_ids_BT)
+            out, lp, pack = self._pass(mb, replay_BTLK=replay, router_logits=True)
             if not padding:
                 fwd_lp.append(lp.detach())
+                fwd_tokens += pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel()
             router_logits = self._router_logits(out)
             routes_LNK = self._routes_used_LNK(out, router_logits)
             if not padding and tele is not None and routes_LNK is not None and router_logits:
                 hooks = self._hooks_of(None)
-                tele.add(mb, routes_LNK.detach(), [lg.detach() for lg in router_logits], replayed=replay is not None,
+                tele.add(pack.tokens(mb.domains) if pack is not None else mb, routes_LNK.detach(),
+                         [lg.detach() for lg in router_logits], replayed=replay is not None,
                          fresh_routes_LNK=hooks.fresh_LNK() if hooks is not None and replay is not None else None)
             # The objective's weights come from the whole step batch, so micro-batch losses just add up.
-            loss, m = self.objective(lp, mb, router_logits, routes_LNK)
+            # Packed, the router terms average over the tree's nodes: a shared prompt token counts once.
+            loss, m = self.objective(lp, mb, router_logits, routes_LNK,
+                                     token_mask_N=pack.real_PN.reshape(-1) if pack is not None else None)
             idx_loss = getattr(out, "indexer_loss", None)
             if idx_loss is not None:  # DSA indexer (its input is detached inside the model)
                 coef = float(getattr(self.module.config, "indexer_loss_coef", 0.0))
@@ -387,6 +440,7 @@ class PolicyTrainer:
             "train/micro_batches": float(n_mb),
             "train/step_s": time.perf_counter() - t0,
             "train/tokens": 0.0 if pad_only else float(batch.attention_mask_BT.sum()),
+            "train/forward_tokens": float(fwd_tokens),
             "train/seqs": float(B),
             "train/routing_replay_" + mode: 1.0,
         })
@@ -400,8 +454,7 @@ class PolicyTrainer:
         step_seqs = batch.step_seqs or batch.num_seqs
         nll_sum = 0.0
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
-            out = self._forward(mb, replay_BTLK=None, router_logits=False)
-            lp = token_logprobs(out.logits, mb.input_ids_BT)
+            out, lp, _ = self._pass(mb, replay_BTLK=None, router_logits=False)
             loss = -(lp * mb.loss_mask_BT).sum() / total_tokens
             aux = getattr(out, "aux_loss", None)
             if aux is not None:

@@ -1,0 +1,179 @@
+"""Shared-prefix packing (rl/trainer/packing.py): the tree layout against a slow reference built from
+its definition (a node attends exactly the nodes whose token path is a prefix of its own), and the
+packed forward of real transformers models (Llama, Mixtral, Qwen3-MoE) against the padded forward:
+the same logprobs on every loss-masked target, the same gradients, and (MoE) the same routes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl.trainer.packing import (logit_nodes, pack_prefixes, pack_routes, packed_logprobs, should_pack,
+                                unpack_routes)
+
+
+def _grpo_batch(seed: int = 0, prompt: int = 14, vocab: int = 100):
+    """Two groups of three rows: each group one prompt; generations of lengths 3..9 whose first tokens
+    sometimes agree (shared generated nodes), right-padded. Returns ids, attention, loss mask, groups."""
+    g = torch.Generator().manual_seed(seed)
+    rows, groups, starts = [], [], []
+    for grp in range(2):
+        p = torch.randint(3, vocab, (prompt + grp,), generator=g).tolist()
+        first = torch.randint(3, vocab, (2,), generator=g).tolist()
+        for i in range(3):
+            n = int(torch.randint(3, 10, (1,), generator=g))
+            gen = torch.randint(3, vocab, (n,), generator=g).tolist()
+            if i < 2:  # rows 0 and 1 of a group open with the same two generated tokens
+                gen[:2] = first
+            rows.append(p + gen)
+            groups.append(grp)
+            starts.append(len(p))
+    B, T = len(rows), max(len(r) for r in rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    loss = torch.zeros(B, T)
+    for b, r in enumerate(rows):
+        ids[b, : len(r)] = torch.as_tensor(r)
+        attn[b, : len(r)] = 1
+        loss[b, starts[b]: len(r)] = 1.0
+    return ids, attn, loss, torch.as_tensor(groups)
+
+
+def _reference_mask(pack, ids_BT, attn_BT):
+    """Node n may attend node m iff m's token path (tokens of its source row up to its depth) is a prefix of n's."""
+    P, N = pack.shape
+    T = ids_BT.shape[1]
+    paths = {}
+    for f, src in enumerate(pack.source_N.tolist()):
+        if src >= 0:
+            b, t = divmod(src, T)
+            paths[f] = tuple(ids_BT[b, : t + 1].tolist())
+    ref = torch.zeros(P, N, N, dtype=torch.bool)
+    for p in range(P):
+        for n in range(N):
+            fn = p * N + n
+            if fn not in paths:
+                ref[p, n, n] = True
+                continue
+            for m in range(N):
+                fm = p * N + m
+                if fm in paths and paths[fn][: len(paths[fm])] == paths[fm]:
+                    ref[p, n, m] = True
+    return ref
+
+
+def test_tree_layout_matches_its_definition():
+    ids, attn, loss, groups = _grpo_batch()
+    pack = pack_prefixes(ids, attn, groups, torch.zeros(6, dtype=torch.long))
+    P, N = pack.shape
+    assert P == 2
+    # every real token maps to a node carrying that token at that depth
+    real = attn > 0
+    node = pack.node_BT[real]
+    assert (pack.input_ids_PN.reshape(-1)[node] == ids[real]).all()
+    cols = torch.arange(ids.shape[1]).expand_as(ids)[real]
+    assert (pack.position_ids_PN.reshape(-1)[node] == cols).all()
+    assert (pack.node_BT[~real] == -1).all()
+    # one node per distinct (row prefix) in each group: the prompt once, the shared first tokens once
+    distinct = len({(int(groups[b]), tuple(ids[b, : t + 1].tolist())) for b in range(6) for t in range(int(attn[b].sum()))})
+    assert pack.real_tokens == distinct < int(attn.sum())
+    assert torch.equal(pack.attention_mask_P1NN[:, 0], _reference_mask(pack, ids, attn))
+
+
+def test_routes_round_trip_through_the_nodes():
+    ids, attn, loss, groups = _grpo_batch(1)
+    pack = pack_prefixes(ids, attn, groups, torch.zeros(6, dtype=torch.long))
+    # routes that are a function of the context (as a router's are): equal on shared nodes
+    ctx_hash = torch.zeros(ids.shape, dtype=torch.long)
+    for b in range(6):
+        for t in range(int(attn[b].sum())):
+            ctx_hash[b, t] = hash(tuple(ids[b, : t + 1].tolist())) % 97
+    routes = torch.where(attn[:, :, None, None] > 0, torch.stack([ctx_hash, ctx_hash + 1], -1)[:, :, None, :].repeat(1, 1, 3, 1), -1)
+    packed = pack_routes(routes, pack)  # [P, N, L, k]
+    back = unpack_routes(packed.reshape(-1, 3, 2).permute(1, 0, 2), pack)
+    assert torch.equal(back, routes)
+
+
+def test_should_pack_weighs_tokens_against_attention():
+    # long shared prompt, short answers: 8 rows of 400 + 40 pack into ~720 nodes
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (1, 400)).repeat(8, 1)
+    ids = torch.cat([ids, torch.randint(3, 100, (8, 40))], dim=1)
+    ids[:, 400] = torch.arange(8) + 3  # the answers part at their first token
+    attn = torch.ones_like(ids)
+    pack = pack_prefixes(ids, attn, torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long))
+    assert pack.real_tokens == 400 + 8 * 40
+    assert should_pack(pack, attn, hidden_size=576)
+    # a short prompt and long, diverging episodes: one packed row of ~8 x 600 nodes attends far more than it saves
+    ids2 = torch.cat([ids[:, :20], torch.randint(3, 100, (8, 600))], dim=1)
+    attn2 = torch.ones_like(ids2)
+    pack2 = pack_prefixes(ids2, attn2, torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long))
+    assert not should_pack(pack2, attn2, hidden_size=576)
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(intermediate_size=128, **common))
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **common))
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                              num_experts_per_tok=2, **common))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe"])
+def test_packed_forward_equals_padded_forward(kind):
+    from model.families import RouterHooks, family_of
+
+    ids, attn, loss, groups = _grpo_batch(2)
+    m = _model(kind).float()
+    fam = family_of(m.config)
+    hooks = RouterHooks(m, fam) if fam.replay == "hooks" else None
+    w_BT = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) * loss
+
+    # the padded forward (the slow, obvious reference): full logits, per-position log-softmax
+    out = m(input_ids=ids, attention_mask=attn)
+    ref_lp = torch.zeros(ids.shape)
+    logp = torch.log_softmax(out.logits.float(), -1)
+    for b in range(ids.shape[0]):
+        for t in range(1, ids.shape[1]):
+            if loss[b, t] > 0:
+                ref_lp[b, t] = logp[b, t - 1, ids[b, t]]
+    (ref_lp * w_BT).sum().backward()
+    ref_grads = [p.grad.clone() for p in m.parameters()]
+    ref_routes = None
+    if hooks is not None:
+        r = hooks.used_LNK()  # [L, B*T, k]
+        ref_routes = r.permute(1, 0, 2).reshape(ids.shape[0], ids.shape[1], r.shape[0], -1)
+        hooks.clear()
+    m.zero_grad()
+
+    pack = pack_prefixes(ids, attn, groups, torch.zeros(6, dtype=torch.long))
+    keep, rows = logit_nodes(pack, loss)
+    out_p = m(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
+              position_ids=pack.position_ids_PN, logits_to_keep=keep)
+    lp = packed_logprobs(out_p.logits, pack, keep, rows, ids, loss)
+    assert torch.allclose(lp, ref_lp, atol=2e-5), float((lp - ref_lp).abs().max())
+    assert (lp[loss == 0] == 0).all()
+    (lp * w_BT).sum().backward()
+    for g_ref, p in zip(ref_grads, m.parameters()):
+        assert torch.allclose(p.grad, g_ref, atol=1e-5, rtol=1e-4), float((p.grad - g_ref).abs().max())
+    if hooks is not None:
+        got = unpack_routes(hooks.used_LNK(), pack)
+        real = attn > 0
+        assert torch.equal(got[real], ref_routes[real])
+        # replaying the recorded routes through the packed layout is the recorded forward again
+        hooks.clear()
+        hooks.set_replay(pack_routes(ref_routes, pack).permute(2, 0, 1, 3).reshape(ref_routes.shape[2], -1, ref_routes.shape[3]))
+        with torch.no_grad():
+            out_r = m(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
+                      position_ids=pack.position_ids_PN, logits_to_keep=keep)
+        hooks.set_replay(None)
+        assert torch.allclose(packed_logprobs(out_r.logits, pack, keep, rows, ids, loss), ref_lp, atol=2e-5)
