@@ -102,6 +102,7 @@ class BenchSpec:
     jointrl_threads: int = 1           # jointrl's trainer.threads_per_rank and rollout.threads_per_worker
     bf16: bool = False                 # each side's bf16 mode: jointrl bf16 weights (trainer, engine, sync); TRL bf16 autocast
     gap_every: int = 1                 # jointrl's logging.gap_every: the post-sync engine-vs-trainer check every k steps (0 = off)
+    prefix_sharing: str = "auto"       # jointrl's trainer.prefix_sharing: a group's shared prompt computed once (off: padded rows)
     out: str = "runs/bench-trl"        # run directories and results.json
 
     @property
@@ -148,6 +149,9 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
     p.add_argument("--gap-every", type=int, default=d.gap_every,
                    help="jointrl's logging.gap_every: run the post-sync engine-vs-trainer logprob check every k steps "
                         "(0: never); TRL has no such check")
+    p.add_argument("--prefix-sharing", default=d.prefix_sharing, choices=["auto", "on", "off"],
+                   help="jointrl's trainer.prefix_sharing (rl/trainer/packing.py): a group's shared prompt in one forward "
+                        "(auto, the default), or padded rows like TRL's (off)")
     p.add_argument("--out", default=d.out, help="where run directories and results.json go (relative: to the repo)")
     p.add_argument("--trl-worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)  # internal: the TRL side
     a = p.parse_args(argv)
@@ -176,7 +180,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchSpec:
     return BenchSpec(dataset=a.dataset, prompts=a.prompts, generations=a.generations, max_new_tokens=a.max_new_tokens,
                      steps=a.steps, warmup=a.warmup, micro_batch=a.micro_batch, temperature=a.temperature, lr=a.lr,
                      seed=a.seed, model=a.model,
-                     trl_threads=a.trl_threads, jointrl_threads=a.jointrl_threads, bf16=a.bf16, gap_every=a.gap_every, out=a.out)
+                     trl_threads=a.trl_threads, jointrl_threads=a.jointrl_threads, bf16=a.bf16, gap_every=a.gap_every,
+                     prefix_sharing=a.prefix_sharing, out=a.out)
 
 
 def jointrl_overrides(spec: BenchSpec, model_dir: Path, run_dir: Path) -> list[str]:
@@ -198,6 +203,7 @@ def jointrl_overrides(spec: BenchSpec, model_dir: Path, run_dir: Path) -> list[s
         "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         f"trainer.lr={spec.lr}", "trainer.weight_decay=0.0", "trainer.grad_clip=1.0", "trainer.warmup_steps=0",
         f"trainer.tasks_per_step={spec.prompts}", f"trainer.micro_batch_size={spec.micro_batch}",
+        f"trainer.prefix_sharing={spec.prefix_sharing}",
         f"trainer.threads_per_rank={spec.jointrl_threads}", f"rollout.threads_per_worker={spec.jointrl_threads}",
         f"trainer.steps={spec.total_steps}", "trainer.sft_steps=0", "trainer.checkpoint_every=0", "trainer.resume=false",
         "eval.n_per_domain=1", "eval.samples=1",

@@ -46,10 +46,11 @@ def test_defaults_are_the_spec_defaults():
 def test_every_flag_reaches_the_spec():
     s = b.parse_args(["--dataset", "chain_sum", "--prompts", "3", "--generations", "5", "--max-new-tokens", "32",
                       "--steps", "2", "--warmup", "0", "--micro-batch", "5", "--temperature", "0.7", "--lr", "3e-6", "--seed", "7",
-                      "--model", "smollm2-135m-moe", "--trl-threads", "0", "--jointrl-threads", "2", "--gap-every", "0", "--bf16", "--out", "/tmp/x"])
+                      "--model", "smollm2-135m-moe", "--trl-threads", "0", "--jointrl-threads", "2", "--gap-every", "0", "--bf16", "--prefix-sharing", "off",
+                      "--out", "/tmp/x"])
     assert s == b.BenchSpec(dataset="chain_sum", prompts=3, generations=5, max_new_tokens=32, steps=2, warmup=0,
                             micro_batch=5, temperature=0.7, lr=3e-6, seed=7, model="smollm2-135m-moe", trl_threads=0,
-                            jointrl_threads=2, gap_every=0, bf16=True, out="/tmp/x")
+                            jointrl_threads=2, gap_every=0, bf16=True, prefix_sharing="off", out="/tmp/x")
     assert (s.env_id, s.batch, s.total_steps) == ("rg-chain_sum-v0", 15, 2)
     assert s.out_dir() == Path("/tmp/x") and b.BenchSpec(out="runs/r").out_dir() == REPO / "runs" / "r"
 
@@ -68,6 +69,7 @@ def test_every_flag_reaches_the_spec():
     (["--jointrl-threads", "0"], "--jointrl-threads must be >= 1"),
     (["--gap-every", "-1"], "--gap-every must be >= 0"),
     (["--dataset", "../etc"], "--dataset must be a reasoning-gym dataset name"),
+    (["--prefix-sharing", "yes"], "invalid choice: 'yes'"),
     (["--prompts", "two"], "invalid int value"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, says, capsys):
@@ -98,6 +100,9 @@ def test_jointrl_overrides_make_a_valid_run_with_the_shared_settings(tmp_path):
     assert cfg.logging.samples_per_domain == 15  # every episode's task id is logged, to check the replay
     assert (cfg.trainer.threads_per_rank, cfg.rollout.threads_per_worker) == (SPEC.jointrl_threads,) * 2
     assert cfg.logging.gap_every == 3
+    assert cfg.trainer.prefix_sharing == "auto"
+    off = load_config(None, b.jointrl_overrides(dataclasses.replace(SPEC, prefix_sharing="off"), Path("tiny"), tmp_path / "run"))
+    assert off.trainer.prefix_sharing == "off"
     bf = load_config(None, b.jointrl_overrides(dataclasses.replace(SPEC, bf16=True), Path("tiny"), tmp_path / "run"))
     assert (bf.model.dtype, bf.rollout.dtype, bf.trainer.sync_format) == ("bfloat16", "bfloat16", "bf16")
     assert cfg.trainer.sync_format == "fp32"
