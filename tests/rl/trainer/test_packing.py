@@ -122,18 +122,34 @@ def _model(kind: str):
         from transformers import MixtralConfig, MixtralForCausalLM
 
         return MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **common))
+    if kind == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(intermediate_size=128, **common))
+    if kind == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(intermediate_size=128, **common))
+    if kind == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+
+        return OlmoeForCausalLM(OlmoeConfig(intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                            **{k: v for k, v in common.items() if k != "head_dim"}))
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                               num_experts_per_tok=2, **common))
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe"])
 def test_packed_forward_equals_padded_forward(kind):
     from model.families import RouterHooks, family_of
 
     ids, attn, loss, groups = _grpo_batch(2)
     m = _model(kind).float()
+    from model.families import FAMILIES, packing_refusal
+
+    assert packing_refusal(m.config) == "" and FAMILIES[kind].packs
     fam = family_of(m.config)
     hooks = RouterHooks(m, fam) if fam.replay == "hooks" else None
     w_BT = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) * loss
@@ -177,3 +193,25 @@ def test_packed_forward_equals_padded_forward(kind):
                       position_ids=pack.position_ids_PN, logits_to_keep=keep)
         hooks.set_replay(None)
         assert torch.allclose(packed_logprobs(out_r.logits, pack, keep, rows, ids, loss), ref_lp, atol=2e-5)
+
+
+def test_every_family_marked_packs_is_checked_here():
+    from model.families import FAMILIES
+
+    marked = sorted(t for t, f in FAMILIES.items() if f.packs)
+    checked = sorted(test_packed_forward_equals_padded_forward.pytestmark[0].args[1])
+    assert marked == checked
+
+
+def test_models_that_cannot_pack_say_why():
+    from transformers import MistralConfig
+
+    from model.families import packing_refusal
+    from model.shipped import load_shipped_config
+
+    assert "hybrid_moe" in packing_refusal(load_shipped_config("tiny"))
+    assert "sliding_window=64" in packing_refusal(_model("qwen3_moe").config.__class__(sliding_window=64, use_sliding_window=True))
+    cfg = _model("llama").config
+    cfg._attn_implementation = "flash_attention_2"
+    assert "ignores a custom 4D mask" in packing_refusal(cfg)
+    assert "'mistral' is not one" in packing_refusal(MistralConfig())
