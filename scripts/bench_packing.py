@@ -63,7 +63,7 @@ def _arm(mode: str, model_dir: str, args, out) -> None:
 
     torch.set_num_threads(args.threads)
     spec = TrainerSpec(zero_stage=1, lr=1e-6, micro_batch_size=args.micro, dtype=args.dtype, routing_replay="r2",
-                       prefix_sharing=mode)
+                       prefix_sharing=mode, frozen_layers=args.frozen_layers)
     t = PolicyTrainer(model_dir, spec, RLObjective())
     batch = grpo_batch(args.groups, args.group_size, args.prompt, args.gen, t.module.config.vocab_size)
 
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=8, help="micro-batch size (rows)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--frozen-layers", type=int, default=15, help="trainer.frozen_layers (the real-policy configs freeze 15 of 30)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
 
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     step = {a: statistics.median(x["step_s"] for x in res[a]) for a in arms}
     print(f"\nRL update (old-logprob pass + forward/backward + step), {args.groups} groups x {args.group_size} samples, "
           f"prompt {args.prompt} + ~{args.gen} generated tokens, micro-batch {args.micro}, {args.dtype}, {args.threads} threads, "
+          f"{args.frozen_layers} layers frozen, "
           f"{Path(model_dir).name}; median of {args.rounds}; load average at the end {os.getloadavg()[0]:.1f}")
     print(f"{'trainer.prefix_sharing':<24} {'real tokens':>12} {'computed':>10} {'update s':>9} {'real tok/s':>11} {'vs off':>7} {'peak GB':>8}")
     for a in arms:
