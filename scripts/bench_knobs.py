@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._spawn import result_of  # noqa: E402
+from scripts._spawn import in_fresh_process  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("JOINTRL_PROGRESS", "0")
     import json
-    import multiprocessing as mp
 
     if args.model == "tiny":
         import tempfile
@@ -121,14 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {k.name: [] for k in knobs}
     peaks: dict[str, list[float]] = {k.name: [] for k in knobs}
     trainable: dict[str, int] = {}
-    ctx = mp.get_context("spawn")
     for r in range(args.rounds):
         for k in knobs:
-            q = ctx.Queue()
-            p = ctx.Process(target=_row, args=(k, model_dir, args, q))
-            p.start()
-            res = result_of(q, p, f"row {k.name!r}", "bench_knobs")
-            p.join()
+            res = in_fresh_process(_row, (k, model_dir, args), f"row {k.name!r}", "bench_knobs")
             times[k.name].append(res["step_s"])
             peaks[k.name].append(res["peak_gb"])
             trainable[k.name] = res["trainable"]

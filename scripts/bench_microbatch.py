@@ -16,7 +16,6 @@ resident size after the last step (the trainer actor hands free heap pages back 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import random
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts._spawn import result_of  # noqa: E402
+from scripts._spawn import in_fresh_process  # noqa: E402
 
 ARMS = ("batch order, full width", "length-grouped, cut")
 
@@ -114,14 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = resolve_pullable(load_config(str(ROOT / "configs" / "learning_cad.yaml"), [f"model.arch={args.model}"]))
         model_dir = cfg.model.arch
-    ctx = mp.get_context("spawn")
     res = {}
     for name in ARMS:
-        q = ctx.Queue()
-        p = ctx.Process(target=_arm, args=(name, model_dir, args, q))
-        p.start()
-        res[name] = result_of(q, p, f"arm {name!r}", "bench_microbatch")
-        p.join()
+        res[name] = in_fresh_process(_arm, (name, model_dir, args), f"arm {name!r}", "bench_microbatch")
         print(f"  {name}: {res[name]['step_s']:.1f} s per step", flush=True)
     base = res[ARMS[0]]
     print(f"\n{Path(str(model_dir)).name}: {args.seqs} sequences ({base['tokens']} real tokens, padded width {base['width']}), "

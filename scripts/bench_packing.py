@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._spawn import result_of  # noqa: E402
+from scripts._spawn import in_fresh_process  # noqa: E402
 
 
 def grpo_batch(groups: int, group_size: int, prompt: int, gen: int, vocab: int, seed: int = 0):
@@ -94,21 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("JOINTRL_PROGRESS", "0")
-    import multiprocessing as mp
-
     from model import hub
 
     model_dir = str(hub.pull(args.model)) if args.model in hub.names() else args.model
     arms = ("off", "on")
     res: dict[str, list[dict]] = {a: [] for a in arms}
-    ctx = mp.get_context("spawn")
     for r in range(args.rounds):
         for a in arms:
-            q = ctx.Queue()
-            p = ctx.Process(target=_arm, args=(a, model_dir, args, q))
-            p.start()
-            res[a].append(result_of(q, p, f"arm prefix_sharing={a}", "bench_packing"))
-            p.join()
+            res[a].append(in_fresh_process(_arm, (a, model_dir, args), f"arm prefix_sharing={a}", "bench_packing"))
             print(f"  round {r} prefix_sharing={a}: {res[a][-1]['step_s']:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
     step = {a: statistics.median(x["step_s"] for x in res[a]) for a in arms}
     print(f"\nRL update (old-logprob pass + forward/backward + step), {args.groups} groups x {args.group_size} samples, "

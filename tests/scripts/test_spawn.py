@@ -34,3 +34,11 @@ def test_result_of_stops_naming_the_arm_when_its_process_dies():
     p.start()
     with pytest.raises(SystemExit, match=r"bench_x: the process of row 'b' exited with 7 before reporting"):
         result_of(q, p, "row 'b'", "bench_x")
+
+
+def test_in_fresh_process_runs_the_target_and_returns_its_report():
+    from scripts._spawn import in_fresh_process
+
+    assert in_fresh_process(_reports, (), "row 'c'", "bench_x") == {"step_s": 1.5}
+    with pytest.raises(SystemExit, match=r"bench_x: the process of row 'd' exited with 7 before reporting"):
+        in_fresh_process(_dies, (), "row 'd'", "bench_x")
