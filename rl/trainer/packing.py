@@ -63,9 +63,12 @@ class PackedTokens:
 
 
 def pack_prefixes(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, group_ids_B: torch.Tensor,
-                  domain_ids_B: torch.Tensor) -> PrefixPack:
+                  domain_ids_B: torch.Tensor, hidden_size: int | None = None) -> PrefixPack | None:
     """One packed row per group of the micro-batch (in order of first appearance), holding the trie of
-    its rows' real tokens (right padding: a row's real tokens are its first `sum(attention_mask)`)."""
+    its rows' real tokens (right padding: a row's real tokens are its first `sum(attention_mask)`).
+
+    With `hidden_size`, None when the packed forward would cost more than the padded one (`should_pack`),
+    decided from the trie's size before any tensor (the [P, 1, N, N] mask above all) is built."""
     B, T = input_ids_BT.shape
     ids = input_ids_BT.tolist()
     lengths = [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]
@@ -98,6 +101,8 @@ def pack_prefixes(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, g
         rows_source.append(source)
     P = len(rows_tokens)
     N = max(1, max(len(r) for r in rows_tokens))
+    if hidden_size is not None and not should_pack((P, N), (B, T), hidden_size):
+        return None
     ids_PN = torch.zeros(P, N, dtype=torch.long)
     pos_PN = torch.zeros(P, N, dtype=torch.long)
     real_PN = torch.zeros(P, N, dtype=torch.bool)
@@ -126,8 +131,8 @@ def pack_prefixes(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, g
                       real_PN=real_PN, domain_ids_P=dom_P, node_BT=node_BT, source_N=source_PN.reshape(-1))
 
 
-def should_pack(pack: PrefixPack, attention_mask_BT: torch.Tensor, hidden_size: int) -> bool:
-    """Whether the packed forward costs less than the padded one.
+def should_pack(packed_PN: tuple[int, int], padded_BT: tuple[int, int], hidden_size: int) -> bool:
+    """Whether a forward over P packed rows of N nodes costs less than over B padded rows of T columns.
 
     Cost per row of width W ~ W * c_token + W^2 * c_pair: a token's matmuls are ~24 h^2 FLOPs and a
     query-key pair's attention ~4 h (Kaplan et al. 2020, "Scaling Laws", FLOP accounting), so a pair
@@ -135,8 +140,8 @@ def should_pack(pack: PrefixPack, attention_mask_BT: torch.Tensor, hidden_size: 
     A group with a long shared prompt and short answers packs far below its padded cost; a group of
     long, early-diverging episodes packs into a row whose attention costs more than it saves.
     """
-    B, T = attention_mask_BT.shape
-    P, N = pack.shape
+    B, T = padded_BT
+    P, N = packed_PN
     per_pair = 1.0 / (6.0 * max(int(hidden_size), 1))
     return P * (N + N * N * per_pair) < B * (T + T * T * per_pair)
 

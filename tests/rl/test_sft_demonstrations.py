@@ -61,6 +61,33 @@ def test_demonstrations_replace_references_and_keep_wrong_ones(tmp_path):
         assert cmd in said                                        # the loss is on the demonstration's own turns
 
 
+def test_pose_blind_mistakes_keep_the_numbers_and_misplace_the_solid():
+    """cad-primitive-v0 with `--mistake pose-blind --wrong 1`: every task whose pose is not the default gets its
+    own primitive and numbers on the XY workplane, centred, a solid away from the target's place;
+    tasks already on the default pose keep their reference and are not counted."""
+    from envs.cad.primitive import CENTRED_Z, PRIMITIVES
+    from scripts.make_demonstrations import demonstrations
+
+    lines, n_wrong = demonstrations("cad-primitive-v0", 24, wrong=1.0, mistake="pose-blind")
+    train = {t.id: t for t in (Task.from_row(r) for r in envs.tasks("cad-primitive-v0", "train", seed=0))}
+    off_default = 0
+    for x in lines:
+        task = train[x["task_id"]]
+        code = json.loads(x["messages"][0]["tool_calls"][0]["function"]["arguments"])["code"]
+        family, params = PRIMITIVES[task.private["family"]], task.private["params"]
+        assert code == family.reference(params, CENTRED_Z)
+        default = task.private["pose"] == {"plane": "XY", "on_floor": False}
+        assert (code == task.private["reference_code"]) == default
+        if not default:
+            off_default += 1
+            # a cylinder as long as it is wide keeps its bounding box on another axis (the solid still differs)
+            square = family.name == "cylinder" and params["H"] == 2 * params["R"]
+            assert square or list(family.summary(params, CENTRED_Z).bbox) != task.private["reference"]["bbox"]
+    assert n_wrong == off_default and 0 < n_wrong < 24
+    with pytest.raises(ValueError, match="only cad-primitive-v0 has poses"):
+        demonstrations(ENV_ID, 6, wrong=0.5, mistake="pose-blind")
+
+
 def test_without_the_key_the_references_make_the_set(tmp_path):
     from rl.sft import sft_data
 

@@ -102,12 +102,15 @@ def test_should_pack_weighs_tokens_against_attention():
     attn = torch.ones_like(ids)
     pack = pack_prefixes(ids, attn, torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long))
     assert pack.real_tokens == 400 + 8 * 40
-    assert should_pack(pack, attn, hidden_size=576)
+    assert should_pack(pack.shape, tuple(attn.shape), hidden_size=576)
+    assert pack_prefixes(ids, attn, torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), hidden_size=576) is not None
     # a short prompt and long, diverging episodes: one packed row of ~8 x 600 nodes attends far more than it saves
     ids2 = torch.cat([ids[:, :20], torch.randint(3, 100, (8, 600))], dim=1)
     attn2 = torch.ones_like(ids2)
     pack2 = pack_prefixes(ids2, attn2, torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long))
-    assert not should_pack(pack2, attn2, hidden_size=576)
+    assert not should_pack(pack2.shape, tuple(attn2.shape), hidden_size=576)
+    # the gate in pack_prefixes gives the same answer before it builds any tensor
+    assert pack_prefixes(ids2, attn2, torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), hidden_size=576) is None
 
 
 def _model(kind: str):
