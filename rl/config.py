@@ -213,7 +213,7 @@ class TrainerSection:
     # The input embeddings and the first N decoder layers do not train (with tied embeddings the LM head
     # neither): backward stops at layer N and no optimizer moments are kept for them. 0 = all train.
     frozen_layers: int = 0
-    # Shared-prefix packing of the policy and reference forwards (rl/trainer/packing.py): a GRPO group's
+    # Shared-prefix packing of the policy, reference and critic forwards (rl/trainer/packing.py): a GRPO group's
     # rows become one token tree, so the prompt they share is computed once; exact, not an approximation.
     # auto: on where the model's attention takes a tree mask (model/families.py `packs`) and a micro-batch
     # costs less packed; on: the same, but a model that cannot pack is a start-up error; off: padded rows.

@@ -312,7 +312,8 @@ class Runtime:
         cache_env["JOINTRL_TRAINER_THREADS"] = str(cfg.trainer.threads_per_rank)  # read by rl/trainer/actor.py
         t = cfg.trainer
         critic = CriticSpec(lr=t.critic_lr, value_clip=a.value_clip, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                            zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, dtype=cfg.model.dtype) \
+                            zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, dtype=cfg.model.dtype,
+                            prefix_sharing=t.prefix_sharing) \
             if self.has_critic else None
         self.trainer = TrainerGroup.start(str(init_dir), spec, self.objective, num_ranks=t.num_workers,
                                           resources=TrainerResources(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,

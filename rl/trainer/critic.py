@@ -17,6 +17,11 @@ Images: a batch with images (`TrainBatch.images_B` / `image_mask_BT`) is read wi
 `image_mask` in every forward of the critic, exactly as the policy trainer feeds its forwards, so the critic
 values the state the policy acted in (`image_inputs`).
 
+Shared-prefix packing: with `prefix_sharing` ('auto' | 'on' | 'off', the run's `trainer.prefix_sharing`)
+each micro-batch's groups run as token trees (rl/trainer/packing.py) where the model's family allows it and
+`should_pack` finds it cheaper, exactly as the policy's forwards do; the values are the padded forward's, to
+float round-off. Batches with images run padded.
+
 What it does not do: compute advantages or returns (the driver does, with `rl.algos`), or replay
 routes (the critic's MoE routes freely).
 """
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from rl.trainer.batch import TrainBatch, image_inputs, micro_batches, stitch_rows
+from rl.trainer.packing import PrefixPack, pack_prefixes, packed_values
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class CriticSpec:
     zero_stage: int = 1
     micro_batch_size: int = 4
     dtype: str = "float32"
+    prefix_sharing: str = "auto"  # auto | on | off, as the policy's (rl/trainer/packing.py)
 
 
 class ValueModel(nn.Module):
@@ -55,9 +62,16 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **image_kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: PrefixPack | None = None,
+                **image_kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(values [B, T] aligned to targets, a zero-valued term that ties the unused LM head into the graph).
+        `pack`: the rows as token trees (`pack_prefixes`), run instead of the padded rows.
         `image_kw`: `pixel_values` and `image_mask` for a batch with images (`image_inputs`), else nothing."""
+        if pack is not None:
+            out = self.lm(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
+                          position_ids=pack.position_ids_PN, output_hidden_states=True, logits_to_keep=1)
+            v_PN = self.head(out.hidden_states[-1].to(self.head.weight.dtype)).squeeze(-1).float()
+            return packed_values(v_PN, pack), out.logits.float().sum() * 0.0
         out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
                       **image_kw)
         h_BTD = out.hidden_states[-1]
@@ -82,11 +96,18 @@ class CriticTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: CriticSpec, world_size: int = 1) -> None:
         import deepspeed
 
+        from model.families import packing_refusal
         from rl.trainer.policy import deepspeed_config, load_policy
 
         self.spec = spec
         self.world_size = world_size
         module = ValueModel(load_policy(model_dir, spec.dtype))
+        if spec.prefix_sharing not in ("auto", "on", "off"):
+            raise ValueError(f"trainer.prefix_sharing={spec.prefix_sharing!r}; allowed values: 'auto', 'on', 'off'")
+        why = packing_refusal(module.lm.config) if spec.prefix_sharing != "off" else "off"
+        if why and spec.prefix_sharing == "on":
+            raise ValueError(f"trainer.prefix_sharing='on' but the critic cannot pack: {why}; use 'auto' or 'off'")
+        self.packs = not why
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=spec.lr,
                                       weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -98,12 +119,22 @@ class CriticTrainer:
     def _micro_batches(self, batch: TrainBatch, n_micro: int, pad_only: bool) -> list[tuple[TrainBatch, bool]]:
         return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)
 
+    def _values(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critic's forward on one micro-batch, packed where the model and the batch allow it."""
+        pack = None
+        if self.packs and mb.image_mask_BT is None:
+            pack = pack_prefixes(mb.input_ids_BT.cpu(), mb.attention_mask_BT.cpu(), mb.group_ids_B.cpu(), mb.domain_ids_B.cpu(),
+                                 hidden_size=int(self.engine.module.lm.config.hidden_size))
+        if pack is not None:
+            return self.engine(mb.input_ids_BT, mb.attention_mask_BT, pack=pack.to(mb.input_ids_BT.device))
+        return self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
+
     @torch.no_grad()
     def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> torch.Tensor:
         self.engine.eval()
         out = []
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
-            v, _ = self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
+            v, _ = self._values(mb)
             if not padding:
                 out.append(v * (mb.loss_mask_BT > 0))
         self.engine.train()
@@ -120,7 +151,7 @@ class CriticTrainer:
         clip = self.spec.value_clip if self.spec.value_clip > 0 else None
         loss_sum, clipfrac, n_tok = 0.0, 0.0, 0.0
         for mb, padding in self._micro_batches(batch, n_micro, pad_only):
-            v, tie = self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
+            v, tie = self._values(mb)
             loss, m = clipped_value_loss(v, mb.values_BT, mb.returns_BT, mb.loss_mask_BT > 0, clip=clip,
                                          weights_BT=mb.loss_weights_BT)
             loss = loss + tie

@@ -177,6 +177,19 @@ def packed_logprobs(logits_PKV: torch.Tensor, pack: PrefixPack, keep_K: torch.Te
     return out.index_put((b_M * T + t_M + 1,), vals_M).reshape(B, T)
 
 
+def packed_values(v_PN: torch.Tensor, pack: PrefixPack) -> torch.Tensor:
+    """Per-node scalars [P, N] (a value head's outputs) back on the rows as V(s_t) [B, T], aligned like
+    `token_logprobs`: position t reads the node of token t - 1 (the state before token t), and t = 0 and
+    padding are 0. Autograd adds the gradients of rows that read a shared node."""
+    B, T = pack.node_BT.shape
+    prev_BT = torch.full((B, T), -1, dtype=torch.long, device=pack.node_BT.device)
+    prev_BT[:, 1:] = pack.node_BT[:, :-1]
+    real = prev_BT >= 0
+    out = torch.zeros(B * T, dtype=v_PN.dtype, device=v_PN.device)
+    flat_real = real.reshape(-1)
+    return out.index_put((torch.nonzero(flat_real, as_tuple=True)[0],), v_PN.reshape(-1)[prev_BT.reshape(-1)[flat_real]]).reshape(B, T)
+
+
 def pack_routes(routes_BTLK: torch.Tensor, pack: PrefixPack) -> torch.Tensor:
     """Per-token expert ids [B, T, L, k] laid out on the nodes [P, N, L, k] (-1 on padding nodes).
     A shared node takes the ids of the row that created it; they are the same function of the same

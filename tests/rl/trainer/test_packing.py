@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.trainer.packing import (logit_nodes, pack_prefixes, pack_routes, packed_logprobs, should_pack,
+from rl.trainer.packing import (logit_nodes, pack_prefixes, pack_routes, packed_logprobs, packed_values, should_pack,
                                 unpack_routes)
 
 
@@ -218,3 +218,42 @@ def test_models_that_cannot_pack_say_why():
     cfg._attn_implementation = "flash_attention_2"
     assert "ignores a custom 4D mask" in packing_refusal(cfg)
     assert "'mistral' is not one" in packing_refusal(MistralConfig())
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_packed_critic_values_and_gradients_equal_padded(kind):
+    """The PPO critic (rl/trainer/critic.py `ValueModel`) on token trees: V(s_t) at every loss-masked position
+    and the value head's and trunk's gradients equal the padded forward's."""
+    from rl.trainer.critic import ValueModel
+
+    ids, attn, loss, groups = _grpo_batch(4)
+    vm = ValueModel(_model(kind).float())
+    torch.nn.init.normal_(vm.head.weight, std=0.5)  # a zero head would make every value 0 and every trunk gradient 0
+    w_BT = torch.rand(ids.shape, generator=torch.Generator().manual_seed(6)) * loss
+    ref_v, tie = vm(ids, attn)
+    ((ref_v * w_BT).sum() + tie).backward()
+    ref_grads = [p.grad.clone() for p in vm.parameters()]
+    vm.zero_grad()
+    pack = pack_prefixes(ids, attn, groups, torch.zeros(6, dtype=torch.long))
+    assert pack.real_tokens < int(attn.sum())  # the groups' prompts are shared
+    v, tie = vm(ids, attn, pack=pack)
+    mask = loss > 0
+    assert torch.allclose(v[mask], ref_v[mask], atol=2e-5), float((v[mask] - ref_v[mask]).abs().max())
+    ((v * w_BT).sum() + tie).backward()
+    for g_ref, p in zip(ref_grads, vm.parameters()):
+        assert torch.allclose(p.grad, g_ref, atol=1e-5, rtol=1e-4), float((p.grad - g_ref).abs().max())
+
+
+def test_packed_values_reads_the_node_before_each_token():
+    """packed_values against a loop from its definition: V at (b, t) is the value of the node of token t - 1."""
+    ids, attn, _, groups = _grpo_batch(7)
+    pack = pack_prefixes(ids, attn, groups, torch.zeros(6, dtype=torch.long))
+    P, N = pack.shape
+    v_PN = torch.randn(P, N)
+    got = packed_values(v_PN, pack)
+    B, T = ids.shape
+    for b in range(B):
+        for t in range(T):
+            node = int(pack.node_BT[b, t - 1]) if t >= 1 else -1
+            want = float(v_PN.reshape(-1)[node]) if node >= 0 else 0.0
+            assert float(got[b, t]) == want, (b, t)

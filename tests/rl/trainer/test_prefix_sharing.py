@@ -1,7 +1,7 @@
 """`trainer.prefix_sharing` on a real DeepSpeed trainer (gloo, CPU) with a tiny random Mixtral: the packed
 trainer computes the same old-policy logprobs, the same R2 routes, the same reference logprobs and the
 same gradient as the padded one, on a GRPO batch of groups that share long prompts, and its forwards
-compute fewer positions. (The router aux term is left out: packed, it averages over the tree's nodes,
+compute fewer positions; the PPO critic's values and value loss are the same packed and padded. (The router aux term is left out: packed, it averages over the tree's nodes,
 so a shared prompt token counts once, by design.) HybridMoe (linear attention) cannot pack: 'on' refuses it, 'auto' runs it padded.
 Runs in a spawned process (torch.distributed is process-global)."""
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _run(tmp: str) -> dict:
     from rl.algos import aggregation_weights
     from rl.objective import RLObjective
     from rl.trainer.batch import collate
+    from rl.trainer.critic import CriticSpec, CriticTrainer
     from rl.trainer.policy import PolicyTrainer, TrainerSpec
     from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
 
@@ -78,9 +79,17 @@ def _run(tmp: str) -> dict:
         ref = tr.reference_logprobs(batch)
         m = tr.train_step(batch.with_(old_logprobs_BT=old, routed_experts_BTLK=routes, routes_from="trainer"))
         after, _ = tr.compute_logprobs(batch)
+        # the critic: two value steps toward per-row returns (the zero head makes the first values 0)
+        crit = CriticTrainer(init, CriticSpec(zero_stage=0, lr=1e-3, micro_batch_size=4, prefix_sharing=mode))
+        returns = torch.as_tensor([float(e.reward) for e in eps])[:, None] * mask
+        vloss = []
+        for _ in range(2):
+            v = crit.values(batch)
+            vloss.append(crit.value_step(batch.with_(values_BT=v, returns_BT=returns))["value/loss"])
         out[mode] = {"old": old[mask], "ref": ref[mask], "routes": routes[batch.attention_mask_BT > 0], "after": after[mask],
-                     "grads": grads, "metrics": m, "packs": tr._packs[id(tr.module)]}
-        del tr
+                     "grads": grads, "metrics": m, "packs": tr._packs[id(tr.module)], "critic_packs": crit.packs,
+                     "values": crit.values(batch)[mask], "vloss": vloss}
+        del tr, crit
     on, off = out["on"], out["off"]
     res = {
         "packs": (on["packs"], off["packs"]),
@@ -95,6 +104,10 @@ def _run(tmp: str) -> dict:
         "loss": (on["metrics"]["loss/total"], off["metrics"]["loss/total"]),
         "fwd_tokens": (on["metrics"]["train/forward_tokens"], off["metrics"]["train/forward_tokens"]),
         "real_tokens": on["metrics"]["train/tokens"],
+        "critic_packs": (on["critic_packs"], off["critic_packs"]),
+        "values": float((on["values"] - off["values"]).abs().max()),
+        "values_max": float(off["values"].abs().max()),
+        "vloss": (on["vloss"], off["vloss"]),
     }
     torch.manual_seed(0)
     HybridMoeForCausalLM(load_shipped_config("tiny")).save_pretrained(f"{tmp}/hybrid")
@@ -139,3 +152,7 @@ def test_packed_trainer_equals_padded_trainer(tmp_path):
     assert off >= res["real_tokens"] and on < 0.5 * off, res["fwd_tokens"]
     assert "trainer.prefix_sharing='on'" in res["hybrid_on"] and "hybrid_moe" in res["hybrid_on"], res["hybrid_on"]
     assert res["hybrid_auto"] == [False]
+    assert res["critic_packs"] == (True, False)
+    assert res["values_max"] > 1e-3 and res["values"] < 1e-4 * max(1.0, res["values_max"]), res
+    (on0, on1), (off0, off1) = res["vloss"]
+    assert abs(on0 - off0) < 1e-6 and abs(on1 - off1) < 1e-5 * max(1.0, off1) and on1 < on0, res["vloss"]
