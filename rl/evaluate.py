@@ -64,6 +64,14 @@ def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequen
     (rt.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
 
+
+def load_eval(run_dir: Path, label: str) -> list[EvalRow] | None:
+    """The rows `evaluate(rt, label)` wrote to RUN_DIR/eval_<label>.json, or None if there is no such file."""
+    path = Path(run_dir) / f"eval_{label}.json"
+    if not path.exists():
+        return None
+    return [EvalRow(**{**r, "task_success": tuple(r["task_success"])}) for r in json.loads(path.read_text())]
+
 @dataclass(frozen=True)
 class PairedDiff:
     """after - before over the same tasks (same order, same sampling seeds): the mean difference, its

@@ -163,7 +163,7 @@ def sft_control(rt, cfg: RunConfig, rl_seconds: float) -> list:
 def run(cfg: RunConfig, runtime=None) -> dict:
     """Train according to `cfg`; returns a summary (before/after eval tables, last metrics)."""
     from rl.eval_plan import write_family_summary
-    from rl.evaluate import evaluate, print_eval_table
+    from rl.evaluate import evaluate, load_eval, print_eval_table
     from rl.runtime import Runtime
     from rl.sft import sft_warm_start
 
@@ -182,7 +182,16 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         if rt.start_step == 0 and cfg.eval.sft_control:
             rt.trainer.save_checkpoint(str(rt.run_dir / SFT_SNAPSHOT))        # the control arm starts here too
         rt.prepare_reference()                                                 # the KL reference, when one is configured
-        summary["before"] = evaluate(rt, "before")
+        # A resumed run's policy is a checkpoint of RL, not the one RL started from: the "before" arm is the
+        # first run's evaluation (its file), never the checkpoint's.
+        before = load_eval(rt.run_dir, "before") if rt.start_step > 0 else None
+        if before is not None:
+            log.info("resumed at RL step %d: the held-out arm before RL is the first run's (eval_before.json)", rt.start_step)
+        else:
+            if rt.start_step > 0:
+                log.warning("resumed at RL step %d without eval_before.json: the 'before' arm evaluates the checkpoint", rt.start_step)
+            before = evaluate(rt, "before")
+        summary["before"] = before
         rl_seconds = rl_steps(rt, cfg)                                         # sample -> roll out -> ... -> sync -> log
         summary["rl_seconds"] = rl_seconds
         summary["after"] = evaluate(rt, "after")

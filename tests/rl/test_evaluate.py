@@ -116,3 +116,16 @@ def test_the_title_says_after_sft_only_when_sft_ran(tmp_path, capsys):
         print_eval_table(tmp_path, [b], [a], {"terminal": "terminal-v0"}, sft=sft)
         assert (tmp_path / "eval_table.txt").read_text().splitlines()[0] == title
         assert capsys.readouterr().out.splitlines()[0] == title
+
+
+def test_load_eval_reads_back_what_evaluate_wrote(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from rl.evaluate import EvalRow, load_eval
+
+    rows = [EvalRow(domain="cad", tier="low", n=3, success=0.5, reward=0.6, tokens=61.7, turns=1.0, samples=2,
+                    task_success=(1.0, 0.5, 0.0))]
+    (tmp_path / "eval_before.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))  # as evaluate writes it
+    assert load_eval(tmp_path, "before") == rows
+    assert load_eval(tmp_path, "after") is None

@@ -121,6 +121,8 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
         run(cfg2, runtime=rt2)
     finally:
         rt2.shutdown()
+    # the resumed run's "before" arm is the first run's evaluation, not one of its step-2 checkpoint
+    assert (run_dir2 / "eval_before.json").read_text() == (run_dir / "eval_before.json").read_text()
     resumed = [r for r in read_metrics(run_dir2) if "reward/mean/terminal" in r]
     assert [r["step"] for r in resumed] == [0, 1, 2]
     assert json.loads((run_dir2 / "checkpoint" / "meta.json").read_text())["step"] == 3
