@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from rl.trainer.batch import TrainBatch, image_inputs, micro_batches, stitch_rows
-from rl.trainer.packing import PrefixPack, pack_prefixes, packed_values
+from rl.trainer.packing import PrefixPack, packed_values
 
 
 @dataclass(frozen=True)
@@ -96,18 +96,12 @@ class CriticTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: CriticSpec, world_size: int = 1) -> None:
         import deepspeed
 
-        from model.families import packing_refusal
-        from rl.trainer.policy import deepspeed_config, load_policy
+        from rl.trainer.policy import deepspeed_config, load_policy, packing_enabled
 
         self.spec = spec
         self.world_size = world_size
         module = ValueModel(load_policy(model_dir, spec.dtype))
-        if spec.prefix_sharing not in ("auto", "on", "off"):
-            raise ValueError(f"trainer.prefix_sharing={spec.prefix_sharing!r}; allowed values: 'auto', 'on', 'off'")
-        why = packing_refusal(module.lm.config) if spec.prefix_sharing != "off" else "off"
-        if why and spec.prefix_sharing == "on":
-            raise ValueError(f"trainer.prefix_sharing='on' but the critic cannot pack: {why}; use 'auto' or 'off'")
-        self.packs = not why
+        self.packs = packing_enabled(spec.prefix_sharing, module.lm.config, "critic")
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=spec.lr,
                                       weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -121,12 +115,11 @@ class CriticTrainer:
 
     def _values(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The critic's forward on one micro-batch, packed where the model and the batch allow it."""
-        pack = None
-        if self.packs and mb.image_mask_BT is None:
-            pack = pack_prefixes(mb.input_ids_BT.cpu(), mb.attention_mask_BT.cpu(), mb.group_ids_B.cpu(), mb.domain_ids_B.cpu(),
-                                 hidden_size=int(self.engine.module.lm.config.hidden_size))
+        from rl.trainer.policy import pack_micro_batch
+
+        pack = pack_micro_batch(mb, self.engine.module.lm.config) if self.packs else None
         if pack is not None:
-            return self.engine(mb.input_ids_BT, mb.attention_mask_BT, pack=pack.to(mb.input_ids_BT.device))
+            return self.engine(mb.input_ids_BT, mb.attention_mask_BT, pack=pack)
         return self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
 
     @torch.no_grad()

@@ -184,10 +184,9 @@ def packed_values(v_PN: torch.Tensor, pack: PrefixPack) -> torch.Tensor:
     B, T = pack.node_BT.shape
     prev_BT = torch.full((B, T), -1, dtype=torch.long, device=pack.node_BT.device)
     prev_BT[:, 1:] = pack.node_BT[:, :-1]
-    real = prev_BT >= 0
-    out = torch.zeros(B * T, dtype=v_PN.dtype, device=v_PN.device)
-    flat_real = real.reshape(-1)
-    return out.index_put((torch.nonzero(flat_real, as_tuple=True)[0],), v_PN.reshape(-1)[prev_BT.reshape(-1)[flat_real]]).reshape(B, T)
+    real_BT = prev_BT >= 0
+    out_BT = torch.zeros(B, T, dtype=v_PN.dtype, device=v_PN.device)
+    return out_BT.index_put((real_BT,), v_PN.reshape(-1)[prev_BT[real_BT]])
 
 
 def pack_routes(routes_BTLK: torch.Tensor, pack: PrefixPack) -> torch.Tensor:

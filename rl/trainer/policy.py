@@ -142,6 +142,32 @@ def router_hooks(m: torch.nn.Module) -> RouterHooks | None:
     return RouterHooks(m, fam) if fam is not None and fam.supported and fam.replay == "hooks" else None
 
 
+
+def packing_enabled(mode: str, config, role: str) -> bool:
+    """Whether a model with this config may run its forwards shared-prefix packed under `trainer.prefix_sharing`
+    = `mode` ('on' refuses a model that cannot; `role` names it in the error). Policy, reference and critic."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"trainer.prefix_sharing={mode!r}; allowed values: 'auto', 'on', 'off'")
+    if mode == "off":
+        return False
+    why = packing_refusal(config)
+    if why and mode == "on":
+        raise ValueError(f"trainer.prefix_sharing='on' but the {role} cannot pack: {why}; use 'auto' or 'off'")
+    return not why
+
+
+def pack_micro_batch(mb: TrainBatch, config) -> PrefixPack | None:
+    """`mb` as token trees on its device, or None to run it padded: it carries images, or the packed forward
+    would cost more (`should_pack`, from the model's hidden size). Rebuilt on each pass over a micro-batch
+    (old logprobs, reference, update, critic): ~30 ms for 8 rows of ~470 tokens, under 1% of the forward it
+    saves, so it is not cached."""
+    if mb.image_mask_BT is not None:
+        return None
+    pack = pack_prefixes(mb.input_ids_BT.cpu(), mb.attention_mask_BT.cpu(), mb.group_ids_B.cpu(), mb.domain_ids_B.cpu(),
+                         hidden_size=int(config.hidden_size))
+    return None if pack is None else pack.to(mb.input_ids_BT.device)
+
+
 class PolicyTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: TrainerSpec, objective: Objective | None = None,
                  rank: int = 0, world_size: int = 1, master_port: int | None = None, total_steps: int = 1000,
@@ -168,7 +194,7 @@ class PolicyTrainer:
         if hasattr(module.config, "freeze_expert_bias"):  # RL practice: the aux-free selection bias stays put
             module.config.freeze_expert_bias = spec.freeze_router_bias
         self.frozen_params = freeze_bottom_layers(module, spec.frozen_layers)
-        self._packs: dict[int, bool] = {id(module): self._can_pack(module, "policy")}
+        self._packs: dict[int, bool] = {id(module): packing_enabled(spec.prefix_sharing, module.config, "policy")}
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -196,7 +222,7 @@ class PolicyTrainer:
         for p in ref.parameters():
             p.requires_grad_(False)
         self._hooks[id(ref)] = router_hooks(ref)
-        self._packs[id(ref)] = self._can_pack(ref, "reference")
+        self._packs[id(ref)] = packing_enabled(self.spec.prefix_sharing, ref.config, "reference")
         self.reference = ref
 
     def use_base_reference(self) -> None:
@@ -212,29 +238,10 @@ class PolicyTrainer:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def _can_pack(self, m: torch.nn.Module, role: str) -> bool:
-        """Whether `m`'s forwards may run shared-prefix packed (trainer.prefix_sharing; 'on' refuses a model that cannot)."""
-        mode = self.spec.prefix_sharing
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"trainer.prefix_sharing={mode!r}; allowed values: 'auto', 'on', 'off'")
-        if mode == "off":
-            return False
-        why = packing_refusal(m.config)
-        if why and mode == "on":
-            raise ValueError(f"trainer.prefix_sharing='on' but the {role} cannot pack: {why}; use 'auto' or 'off'")
-        return not why
-
     def _pack_of(self, mb: TrainBatch, module: torch.nn.Module | None) -> PrefixPack | None:
-        """The micro-batch packed as token trees, or None to run it padded: packing is off for the model,
-        the batch carries images, or the packed forward would cost more (`should_pack`)."""
+        """The micro-batch packed as token trees, or None to run it padded (`pack_micro_batch`)."""
         m = module if module is not None else self.module
-        if not self._packs.get(id(m), False) or mb.image_mask_BT is not None:
-            return None
-        # Rebuilt on each pass over the micro-batch (old logprobs, reference, update): ~30 ms for 8 rows of
-        # ~470 tokens, under 1% of the forward it saves, so it is not cached.
-        pack = pack_prefixes(mb.input_ids_BT.cpu(), mb.attention_mask_BT.cpu(), mb.group_ids_B.cpu(), mb.domain_ids_B.cpu(),
-                             hidden_size=int(m.config.hidden_size))
-        return None if pack is None else pack.to(mb.input_ids_BT.device)
+        return pack_micro_batch(mb, m.config) if self._packs.get(id(m), False) else None
 
     def _pass(self, mb: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool,
               module: torch.nn.Module | None = None) -> tuple[object, torch.Tensor, PrefixPack | None]:
