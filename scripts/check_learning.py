@@ -7,8 +7,9 @@ at the training temperature with the same per-request seeds, so the comparison i
 Exits 1 unless the paired gain is at least MIN_GAIN with paired t >= MIN_T, the RL steps kept groups
 with signal, and the engine served the trained weights (small engine-vs-trainer logprob gap).
 
-About 10 minutes on 2 cores, so it is a script run (its latest figures are in docs/training.md), not
-part of the default test run.
+About 10 minutes on 2 cores, so the default test run skips it; CI runs it as
+tests/scripts/test_check_learning.py (`pytest -m learning --run-learning`). Its latest figures are in
+docs/training.md, "Learning check".
 
     .venv/bin/python scripts/check_learning.py [--run-dir runs/basics-check] [KEY=VALUE ...]
 """
