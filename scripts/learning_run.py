@@ -6,6 +6,7 @@ SFT + RL, SFT continued for RL's wall time) and its figures (scripts/learning_re
     .venv/bin/python scripts/learning_run.py terminal-teacher      # attempt 12: ~50 min on 2 quiet cores
     .venv/bin/python scripts/learning_run.py cad-pose              # attempt 14: ~65 min
     .venv/bin/python scripts/learning_run.py cad-pose trainer.steps=12     # attempt 15 (run as 14 resumed to step 12)
+    .venv/bin/python scripts/learning_run.py cad-pose name=learning_cad_pose240 eval.n_per_domain=240   # attempt 16: ~98 min
     .venv/bin/python scripts/learning_run.py terminal-teacher --dry-run   # print the commands only
 
 Extra `key=value` arguments go to `jointrl train` after the recipe's own (the last one wins). It does not
