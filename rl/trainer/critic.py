@@ -37,6 +37,7 @@ from torch import nn
 
 from rl.trainer.batch import TrainBatch, image_inputs, micro_batches, stitch_rows
 from rl.trainer.packing import PrefixPack, packed_values
+from rl.trainer.policy import deepspeed_config, load_policy, pack_micro_batch, packing_enabled
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,6 @@ class CriticTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: CriticSpec, world_size: int = 1) -> None:
         import deepspeed
 
-        from rl.trainer.policy import deepspeed_config, load_policy, packing_enabled
-
         self.spec = spec
         self.world_size = world_size
         module = ValueModel(load_policy(model_dir, spec.dtype))
@@ -115,8 +114,6 @@ class CriticTrainer:
 
     def _values(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The critic's forward on one micro-batch, packed where the model and the batch allow it."""
-        from rl.trainer.policy import pack_micro_batch
-
         pack = pack_micro_batch(mb, self.engine.module.lm.config) if self.packs else None
         if pack is not None:
             return self.engine(mb.input_ids_BT, mb.attention_mask_BT, pack=pack)

@@ -142,7 +142,6 @@ def router_hooks(m: torch.nn.Module) -> RouterHooks | None:
     return RouterHooks(m, fam) if fam is not None and fam.supported and fam.replay == "hooks" else None
 
 
-
 def packing_enabled(mode: str, config, role: str) -> bool:
     """Whether a model with this config may run its forwards shared-prefix packed under `trainer.prefix_sharing`
     = `mode` ('on' refuses a model that cannot; `role` names it in the error). Policy, reference and critic."""
