@@ -3,7 +3,13 @@ real policy (generate / tools / grade / train / sync / idle, mean of the measure
 held-out arms side by side (after SFT, after SFT + RL, after SFT continued for RL's wall time) with
 95% CIs and paired t, and held-out points gained per 10 minutes of RL.
 
-    .venv/bin/python scripts/learning_report.py runs/learning_smollm2 [--skip-steps 1]
+    .venv/bin/python scripts/learning_report.py runs/learning_smollm2 [--skip-steps 1] [--against runs/OTHER]
+
+`--against OTHER` also compares this run with another run of the same held-out evaluation (a knob
+changed, or the same recipe repeated): for each arm both runs have, success here minus success there,
+paired by task (the evaluation's per-request seeds depend on the task, not the run, so both runs
+sampled the same way), with its 95% CI and paired t. Within one run the arms share one RL trajectory;
+only a second run shows the spread between runs of the same recipe.
 
 Reads RUN_DIR/metrics.jsonl (the `time/*` keys, rl/observe/telemetry.py) and RUN_DIR/eval.json (rl/evaluate.py);
 RL's wall time is eval.json's `rl_seconds`, else the sum of `time/step_s`.
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
     ap.add_argument("--skip-steps", type=int, default=1)
+    ap.add_argument("--against", metavar="OTHER_RUN_DIR", help="compare each arm with the same arm of another run")
     args = ap.parse_args(argv)
     run = Path(args.run_dir)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
@@ -79,7 +86,46 @@ def main(argv: list[str] | None = None) -> int:
               "reached its after-RL evaluation)", file=sys.stderr)
         return 2
     print(format_report(doc, rows, args.skip_steps))
+    if args.against:
+        try:
+            print(format_against(run, Path(args.against)))
+        except ValueError as e:
+            print(f"learning_report: --against: {e}", file=sys.stderr)
+            return 2
     return 0
+
+
+ARMS = ("before", "after", "sft_control")
+
+
+def arm_tasks(run: Path, arm: str) -> dict[tuple[str, str], tuple[float, ...]]:
+    """Per (domain, tier): the per-task success of one arm (RUN/eval_<arm>.json); {} when the arm is absent."""
+    f = run / f"eval_{arm}.json"
+    if not f.is_file():
+        return {}
+    return {(r["domain"], r["tier"]): tuple(r["task_success"]) for r in json.loads(f.read_text())}
+
+
+def format_against(run: Path, other: Path) -> str:
+    """Each arm of `run` minus the same arm of `other`, paired by held-out task."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rl.evaluate import paired_diff
+
+    head = f"{'arm':<12} {'domain':<18} {'tier':<5} {'n':>4} {'this':>6} {'other':>6} {'diff':>7} {'95% CI':>17} {'t':>6}"
+    out = [f"against {other}:", head, "-" * len(head)]
+    for arm in ARMS:
+        mine, theirs = arm_tasks(run, arm), arm_tasks(other, arm)
+        for key in sorted(mine.keys() & theirs.keys()):
+            a, b = mine[key], theirs[key]
+            if len(a) != len(b):
+                raise ValueError(f"arm {arm!r}, domain {key[0]!r}: {len(a)} held-out tasks here, {len(b)} in {other}; "
+                                 "a paired comparison needs the same tasks")
+            p = paired_diff(b, a)
+            out.append(f"{arm:<12} {key[0]:<18} {key[1]:<5} {p.n:>4} {sum(a) / len(a):>6.3f} {sum(b) / len(b):>6.3f} "
+                       f"{p.mean:>+7.3f} [{p.ci_low:>+6.3f},{p.ci_high:>+6.3f}] {p.t:>6.2f}")
+    if len(out) == 3:
+        raise ValueError(f"no arm of {run} and {other} shares a domain and tier (eval_<arm>.json files)")
+    return "\n".join(out)
 
 
 def partial_doc(run: Path, rows: list[dict]) -> dict:

@@ -58,3 +58,42 @@ def test_a_run_stopped_in_the_control_arm_reports_its_two_arms(tmp_path, capsys)
     assert float(line[-1]) == pytest.approx(100 * want.mean, abs=5e-3)  # points per 10 minutes: RL ran 10 minutes
     assert not (tmp_path / "eval.json").exists()  # the contract file of a finished run is not forged
     assert lr.main([str(tmp_path / "missing")]) == 2
+
+
+def _write_arms(run, arms, n_tasks=None):
+    import json
+
+    from rl.evaluate import EvalRow
+
+    run.mkdir()
+    for arm, ts in arms.items():
+        row = EvalRow(domain="terminal_basics", tier="low", n=len(ts), success=sum(ts) / len(ts), reward=0.0, tokens=60.0,
+                      turns=2.0, samples=2, task_success=tuple(ts))
+        (run / f"eval_{arm}.json").write_text(json.dumps([row.__dict__]))
+    (run / "config.json").write_text(json.dumps({"envs": {"env_ids": {"terminal_basics": "terminal-basics-v0"}}}))
+
+
+def test_against_pairs_each_arm_with_the_other_runs_by_task(tmp_path, capsys):
+    from rl.evaluate import paired_diff
+
+    before = [0.0, 0.5, 0.5, 1.0, 0.0, 0.5]
+    base_after = [0.5, 0.5, 0.5, 1.0, 0.0, 1.0]
+    knob_after = [1.0, 1.0, 0.5, 1.0, 0.5, 1.0]
+    _write_arms(tmp_path / "base", {"before": before, "after": base_after})
+    _write_arms(tmp_path / "knob", {"before": before, "after": knob_after})
+    assert lr.main([str(tmp_path / "knob"), "--against", str(tmp_path / "base")]) == 0
+    lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()
+             if ln.split() and ln.split()[0] in lr.ARMS}
+    assert set(lines) == {"before", "after"}  # the control arm is in neither run
+    assert float(lines["before"][6]) == 0.0  # the same SFT start
+    want = paired_diff(base_after, knob_after)
+    assert float(lines["after"][4]) == pytest.approx(sum(knob_after) / 6, abs=5e-4)
+    assert float(lines["after"][6]) == pytest.approx(want.mean, abs=5e-4)
+    assert float(lines["after"][-1]) == pytest.approx(want.t, abs=5e-3)
+
+
+def test_against_refuses_runs_of_different_task_counts(tmp_path, capsys):
+    _write_arms(tmp_path / "a", {"before": [0.0, 1.0, 0.5], "after": [1.0, 1.0, 0.5]})
+    _write_arms(tmp_path / "b", {"before": [0.0, 1.0], "after": [1.0, 1.0]})
+    assert lr.main([str(tmp_path / "a"), "--against", str(tmp_path / "b")]) == 2
+    assert "3 held-out tasks here, 2 in" in capsys.readouterr().err
