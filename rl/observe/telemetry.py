@@ -26,7 +26,7 @@ from rl.types import Episode, RolloutGroup
 QUANTILES: tuple[tuple[str, float], ...] = (("min", 0.0), ("p10", 0.1), ("p25", 0.25), ("p50", 0.5),
                                             ("p75", 0.75), ("p90", 0.9), ("max", 1.0))
 # Episode.metrics keys (from envs/base.py's Grade metrics) averaged per domain as `episode/<key>_mean/<d>`.
-_EPISODE_COUNTERS = ("parse_errors", "tool_calls", "malformed_calls", "tool_errors", "tool_timeouts", "obs_clipped",
+_EPISODE_COUNTERS = ("parse_errors", "capped_turns", "tool_calls", "malformed_calls", "tool_errors", "tool_timeouts", "obs_clipped",
                      "sandbox_kills", "format_ok")
 
 

@@ -361,6 +361,7 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
     routes_ok = True
     max_turns = settings.max_turns or task.limits.max_turns
     n_parse_errors = 0
+    n_capped = 0  # turns the engine ended at the token cap (the tier's budget or max_new_tokens_per_turn)
     gen_s = tool_s = 0.0
     while True:
         room = settings.max_model_len - len(tokens)
@@ -397,6 +398,7 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
         if not out or out[-1] not in codec.stop_token_ids:
             # The engine stopped without closing the turn (length cap): close it ourselves, not trained
             # on, so the environment's turn starts right after a turn-end token.
+            n_capped += 1
             tokens.append(codec.end_token_id)
             mask.append(0)
             lps.append(0.0)
@@ -433,7 +435,8 @@ async def _episode(env: Any, task: Task, gen: BatchingGenerator, codec: ChatCode
             r = np.concatenate([r, np.repeat(r[-1:], len(tokens) - r.shape[0], axis=0)], axis=0)
         routes = r[: len(tokens)]
     metrics = dict(grade.metrics)
-    metrics.update({"parse_errors": float(n_parse_errors), "grade_error": float(grade.error is not None),
+    metrics.update({"parse_errors": float(n_parse_errors), "capped_turns": float(n_capped),
+                    "grade_error": float(grade.error is not None),
                     "episode_error": 0.0,
                     # where the episode's wall time went (the step-time breakdown sums these)
                     "time_generate_s": gen_s, "time_tools_s": tool_s, "time_grade_s": grade_s})

@@ -107,6 +107,32 @@ def test_token_in_token_out_mask_and_history(tok):
     assert ep.metrics["parse_errors"] >= 1
     assert ep.num_turns == 7  # the episode went on after it
     assert ep.reward <= 0.0  # echo commands do not solve the task (and the malformed call costs format reward)
+    assert ep.metrics["capped_turns"] == 0.0  # every turn ended with its own turn-end token
+
+
+def test_turns_cut_at_the_token_cap_are_counted(tok):
+    """A turn the engine ends at the cap (the tier's budget for a format without a thinking block) is
+    closed by the loop, not trained on, and counted: `episode/capped_turns_mean` says whether a tier binds."""
+    from rl.observe.telemetry import rollout_metrics
+    from rl.types import RolloutGroup
+
+    task = _task()
+    turns = [_call("bash", {"command": "echo " + "x" * 200}, i) for i in range(2)]
+    full = len(tok.encode(chat.render_completion(turns[0]), add_special_tokens=False))
+    cap = full // 2
+    eps = []
+    for limit, want in ((cap, 2.0), (4 * full, 0.0)):  # cut: both turns are longer than `cap`; roomy: none cut
+        eng = ScriptedEngine(tok, turns)
+        settings = LoopSettings(max_model_len=4096, max_new_tokens_per_turn=limit, max_turns=2, end_token_id=chat.IM_END_ID)
+        ep = asyncio.run(run_episode(_env(), task, BatchingGenerator(eng), tok, chat, settings, group_id="g"))
+        assert ep.metrics["capped_turns"] == want, limit
+        assert all(r.max_tokens <= limit for r in eng.requests)
+        eps.append(ep)
+    # the loop's own turn-end tokens after a cut are outside the loss mask
+    cut = eps[0]
+    assert sum(cut.loss_mask) == 2 * cap
+    values = rollout_metrics([RolloutGroup(task.id, task.domain, tuple(eps))])
+    assert values[f"episode/capped_turns_mean/{task.domain}"] == 1.0
 
 
 def test_reference_solution_through_the_loop_scores_one(tok):
