@@ -10,7 +10,7 @@ import envs.registry
 from jointrl.records import Task
 from rl.config import CONFIG_DIR, load_config
 
-LEARNING_CONFIGS = ("quickstart.yaml", "basics.yaml", "learning_smollm2.yaml")
+LEARNING_CONFIGS = ("quickstart.yaml", "quickstart_all.yaml", "basics.yaml", "learning_smollm2.yaml")
 
 
 def _env_ids() -> list[str]:
