@@ -3,7 +3,11 @@ file a recipe needs (scripts/make_demonstrations.py), the three-arm run (`jointr
 SFT + RL, SFT continued for RL's wall time) and its figures (scripts/learning_report.py).
 
     bash scripts/setup.sh                                   # once
-    .venv/bin/python scripts/learning_run.py terminal-teacher      # attempt 12: ~50 min on 2 quiet cores
+    .venv/bin/python scripts/learning_run.py terminal-teacher      # attempt 12 (50 min); repeated as attempt 17 (21 min):
+                                                                   #   add name=learning_terminal_teacher8_r2
+    .venv/bin/python scripts/learning_run.py terminal-teacher name=learning_terminal_teacher8_kl \
+        algorithm.kl_coef=0.04 eval.sft_control=false              # a knob against attempt 17 (docs/training.md);
+    .venv/bin/python scripts/learning_report.py runs/learning_terminal_teacher8_kl --against runs/learning_terminal_teacher8_r2
     .venv/bin/python scripts/learning_run.py cad-pose              # attempt 14: ~65 min
     .venv/bin/python scripts/learning_run.py cad-pose trainer.steps=12     # attempt 15 (run as 14 resumed to step 12)
     .venv/bin/python scripts/learning_run.py cad-pose name=learning_cad_pose240 eval.n_per_domain=240   # attempt 16: ~98 min
