@@ -245,6 +245,9 @@ class Runtime:
         serve_dir = self.ckpt_dir / "hf" if resume and self.lora is None else init_dir
         self.codec = build_codec(cfg.model, init_dir)
         self.tok = self.codec.tokenizer
+        from rl.rollout.codec import reasoning_token_ids
+
+        self.think_ids = reasoning_token_ids(self.codec)  # None: the format has no thinking block to count
         self.image_settings = self._image_settings(init_dir)
 
         # Task pools: train split for RL/SFT, held-out split for evaluation. Each task is labelled with the
@@ -454,7 +457,7 @@ class Runtime:
         seed = rollout_seed(self.cfg.envs.seed, step)
         eps = self.run_groups(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
         groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
-        m = rollout_metrics(groups, self.tok, policy_version=self.policy_version)
+        m = rollout_metrics(groups, self.think_ids, policy_version=self.policy_version)
         m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
         return groups, m
 

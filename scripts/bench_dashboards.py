@@ -104,8 +104,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     groups = make_groups(rng, 3, tasks_per_domain=8, G=8)
     n_eps = sum(len(gr.episodes) for gr in groups)
-    t_roll = timeit(lambda: rollout_metrics(groups, None, (4, 5), policy_version=3), reps)
-    rows.append((f"rollout_metrics {n_eps} episodes, 3 domains", t_roll, f"{len(rollout_metrics(groups, None))} metrics"))
+    t_roll = timeit(lambda: rollout_metrics(groups, (4, 5), policy_version=3), reps)
+    rows.append((f"rollout_metrics {n_eps} episodes, 3 domains", t_roll, f"{len(rollout_metrics(groups, (4, 5)))} metrics"))
 
     # 3. report on a long run
     from dash_synth import build_run

@@ -96,7 +96,7 @@ def driver_overhead(n_domains: int, rule: str, reps: int, run_dir: Path) -> dict
             _, ds_m = timed("zero-var", lambda: dynamic_sampling(groups, "filter"))
             _, agg_m = timed("normalise", lambda: aggregation_weights("domain_token_mean", mask_BT, domain_ids_B=dom_B,
                                                                     domain_names=dict(enumerate(doms))))
-            values = {**ds_m, **agg_m, **timed("rollout_metrics", lambda: rollout_metrics(groups, None, (4, 5), policy_version=step))}
+            values = {**ds_m, **agg_m, **timed("rollout_metrics", lambda: rollout_metrics(groups, (4, 5), policy_version=step))}
             values.update(timed("moe", lambda: moe_telemetry(routes, token_domain_ids(dom_B, T), doms, E,
                                                              token_mask_N=mask_BT.reshape(-1), router_logits=logits_LNE)))
             values.update({f"sampler/weight/{d}": w for d, w in sampler.weights.items()})

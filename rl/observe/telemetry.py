@@ -1,7 +1,7 @@
 """Per-domain rollout and policy metrics: what each step's episodes (and the trainer's view of them) looked like.
 
 Pure functions; names follow `<family>/<stat>/<domain>` so dashboards can group them (`reward/mean/swe`).
-  * `rollout_metrics(groups, tok)`: from `RolloutGroup`s — reward mean/std, success rate, token / thinking-token /
+  * `rollout_metrics(groups, think_ids)`: from `RolloutGroup`s — reward mean/std, success rate, token / thinking-token /
     turn means and their distribution quantiles (min, p10, p25, p50, p75, p90, max: the report draws box plots
     from them, since metrics.jsonl holds scalars only), truncation, wall time, grading errors, tool-call error
     rates, sandbox counters the environments report, and policy staleness.
@@ -15,7 +15,7 @@ logging (rl/observe/sink.py). The name scheme is rl/observe/names.py.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -59,11 +59,12 @@ def _sum_metric(eps: Sequence[Episode], key: str) -> float | None:
     return float(np.sum(vals)) if vals else None
 
 
-def rollout_metrics(groups: Sequence[RolloutGroup], tok: Any = None, think_ids: tuple[int, int] = (4, 5), *,
+def rollout_metrics(groups: Sequence[RolloutGroup], think_ids: tuple[int, int] | None = None, *,
                     policy_version: int | None = None) -> dict[str, float]:
     """Per-domain episode statistics of one step's groups (see the module docstring).
 
-    tok: unused, kept for the driver's call signature. think_ids: the <think> / </think> token ids.
+    think_ids: the token ids that open and close the chat format's thinking block
+    (rl.rollout.codec.reasoning_token_ids); None = the format has none, so thinking tokens are 0.
     policy_version: the trainer's version when these episodes are trained on; gives `policy/staleness_*`.
     """
     by_dom: dict[str, list[Episode]] = defaultdict(list)
@@ -75,7 +76,7 @@ def rollout_metrics(groups: Sequence[RolloutGroup], tok: Any = None, think_ids: 
             continue
         r = np.array([e.reward for e in eps], dtype=np.float64)
         gen = np.array([sum(e.loss_mask) for e in eps], dtype=np.float64)
-        think = np.array([_think_tokens(e, *think_ids) for e in eps], dtype=np.float64)
+        think = np.array([_think_tokens(e, *think_ids) if think_ids else 0 for e in eps], dtype=np.float64)
         turns = np.array([e.num_turns for e in eps], dtype=np.float64)
         out[f"reward/mean/{d}"] = float(r.mean())
         out[f"reward/std/{d}"] = float(r.std())

@@ -78,3 +78,14 @@ def as_codec(codec: Any, tokenizer: Any, *, end_token_id: int, special_strings: 
 def _markers(fmt: Any) -> tuple[str, str]:
     """A string-level format's thinking markers; model/chat.py's `<think>` / `</think>` unless it names its own."""
     return (getattr(fmt, "REASONING_START_STR", "<think>"), getattr(fmt, "REASONING_END_STR", "</think>"))
+
+
+def reasoning_token_ids(codec: ChatCodec) -> tuple[int, int] | None:
+    """The token ids of the codec's thinking markers (start, end); None when its format has no thinking block
+    (`reasoning_markers` is None) or a marker is not one token. Telemetry counts thinking tokens between them."""
+    if codec.reasoning_markers is None:
+        return None
+    ids = [codec.tokenizer.encode(s, add_special_tokens=False) for s in codec.reasoning_markers]
+    if any(len(i) != 1 for i in ids):
+        return None
+    return int(ids[0][0]), int(ids[1][0])

@@ -87,7 +87,7 @@ def build_run(run_dir: Path, steps: int = 8, seed: int = 0, wandb_mode: str = "d
     try:
         for step in range(steps):
             groups = make_groups(rng, step)
-            values = rollout_metrics(groups, None, THINK, policy_version=step)
+            values = rollout_metrics(groups, THINK, policy_version=step)
             _, ds = dynamic_sampling(groups, "off")
             values.update(ds)
             B, T = len(groups) * 4, 24

@@ -50,7 +50,7 @@ def step_values(record: RunRecord, step: int, rng: np.random.Generator, gen: tor
                            episodes=tuple(make_episode(rng, d, f"s{step}-{d}", step, 0.2 + 0.6 * (i % 7) / 6,
                                                        policy_version=step) for _ in range(G)))
               for i, d in enumerate(doms)]
-    values = rollout_metrics(groups, None, THINK, policy_version=step)
+    values = rollout_metrics(groups, THINK, policy_version=step)
     values.update(dynamic_sampling(groups, "off")[1])
     B = len(groups) * G
     dom_B = torch.arange(B) // G

@@ -43,7 +43,7 @@ def test_rollout_metrics_per_domain_match_hand_reference():
                                                                 "sandbox_kills": 1})]
     b = [ep("b", 1.0, 4, turns=1, wall=3.0), ep("b", 1.0, 8, turns=3, wall=5.0)]
     groups = [RolloutGroup("t1", "a", tuple(a[:2])), RolloutGroup("t2", "a", (a[2],)), RolloutGroup("t3", "b", tuple(b))]
-    m = rollout_metrics(groups, None, (4, 5), policy_version=5)
+    m = rollout_metrics(groups, (4, 5), policy_version=5)
     ra = [1.0, 0.0, 0.5]
     mean = sum(ra) / 3
     assert m["reward/mean/a"] == pytest.approx(mean)
@@ -68,10 +68,13 @@ def test_rollout_metrics_per_domain_match_hand_reference():
     assert m["success/rate/all"] == pytest.approx(3 / 5)
 
 
-def test_rollout_metrics_keeps_the_drivers_call_signature():
-    g = [RolloutGroup("t", "a", (ep("a", 1.0, 5),))]
-    m = rollout_metrics(g, object())  # runtime.py calls rollout_metrics(groups, self.tok)
-    assert m["reward/mean/a"] == 1.0 and not any(k.startswith("policy/staleness") for k in m)
+def test_thinking_tokens_are_zero_for_a_format_without_a_thinking_block():
+    # ids 4 and 5 are ordinary tokens of another vocabulary: without think ids nothing is counted as thinking
+    g = [RolloutGroup("t", "a", (ep("a", 1.0, 9, think=3),))]
+    assert rollout_metrics(g, (4, 5))["tokens/thinking_mean/a"] == 3.0
+    m = rollout_metrics(g, None)
+    assert m["tokens/thinking_mean/a"] == 0.0 and m["tokens/response_mean/a"] == 9.0
+    assert not any(k.startswith("policy/staleness") for k in m)
     assert rollout_metrics([], None)["reward/mean/all"] == 0.0
 
 

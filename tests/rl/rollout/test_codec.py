@@ -231,6 +231,19 @@ def test_thinking_tiers_cap_generation_for_a_format_without_reasoning(dirs):
     assert [_generation_caps(thinking, s, t, room=1000) for t in ("low", "high", "max")] == [(256, 64), (256, 300), (256, None)]
 
 
+def test_thinking_token_ids_come_from_the_codecs_own_tokenizer(dirs):
+    """Telemetry counts thinking tokens between these ids: each format's own, never another vocabulary's."""
+    from model import chat
+    from rl.rollout.codec import reasoning_token_ids
+
+    assert reasoning_token_ids(make_codec("jointrl", None)) == (chat.THINK_START_ID, chat.THINK_END_ID)
+    assert reasoning_token_ids(make_codec("hf", dirs["chatml"], tool_parser="hermes")) is None  # no thinking block
+    shipped = make_codec("hf", chat.TOKENIZER_DIR, tool_parser="hermes", reasoning_parser="deepseek_r1")
+    start, end = shipped.reasoning_markers
+    assert reasoning_token_ids(shipped) == (shipped.tokenizer.convert_tokens_to_ids(start),
+                                            shipped.tokenizer.convert_tokens_to_ids(end))
+
+
 def test_default_codec_follows_the_checkpoint(dirs, tmp_path):
     from model.shipped import copy_tokenizer
 
