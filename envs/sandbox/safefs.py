@@ -74,22 +74,27 @@ def _open_dir_chain(root_fd: int, dirs: list[str], *, create_mode: int | None = 
         raise
 
 
+def _parent_dir(root: str, path: str, inside_prefix: str) -> tuple[int, str]:
+    """An fd of `path`'s parent directory under `root`, reached without following any symlink, and the leaf name.
+    The caller closes the fd."""
+    parts = split_relpath(path, inside_prefix=inside_prefix)
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        return _open_dir_chain(root_fd, parts[:-1]), parts[-1]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no artifact {path!r}") from None
+    finally:
+        os.close(root_fd)
+
+
 def read_file(root: str, path: str, max_bytes: int, *, inside_prefix: str = "/work") -> bytes:
     """Read a regular file under `root` as data: no symlinks anywhere on the path, size-capped."""
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    parts = split_relpath(path, inside_prefix=inside_prefix)
-    root_fd = os.open(root, _DIR_FLAGS)
+    dfd, leaf = _parent_dir(root, path, inside_prefix)
     try:
         try:
-            dfd = _open_dir_chain(root_fd, parts[:-1])
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no artifact {path!r}") from None
-    finally:
-        os.close(root_fd)
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
                          | os.O_NOCTTY, dir_fd=dfd)
         except FileNotFoundError:
             raise FileNotFoundError(f"no artifact {path!r}") from None
@@ -124,18 +129,10 @@ _KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink
 
 def stat_path(root: str, path: str, *, inside_prefix: str = "/work") -> PathStat:
     """lstat an entry under `root`; parent directories must be plain directories (no symlinks)."""
-    parts = split_relpath(path, inside_prefix=inside_prefix)
-    root_fd = os.open(root, _DIR_FLAGS)
+    dfd, leaf = _parent_dir(root, path, inside_prefix)
     try:
         try:
-            dfd = _open_dir_chain(root_fd, parts[:-1])
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no artifact {path!r}") from None
-    finally:
-        os.close(root_fd)
-    try:
-        try:
-            st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            st = os.stat(leaf, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             raise FileNotFoundError(f"no artifact {path!r}") from None
     finally:
