@@ -8,6 +8,9 @@ SFT + RL, SFT continued for RL's wall time) and its figures (scripts/learning_re
     .venv/bin/python scripts/learning_run.py terminal-teacher name=learning_terminal_teacher8_kl \
         algorithm.kl_coef=0.04 eval.sft_control=false              # a knob against attempt 17 (docs/training.md);
     .venv/bin/python scripts/learning_report.py runs/learning_terminal_teacher8_kl --against runs/learning_terminal_teacher8_r2
+        # the other knobs of docs/training.md the same way: rollout.temperature=0.7, trainer.frozen_layers=0,
+        # trainer.lora.rank=16 "trainer.lora.targets=[attention,experts]" trainer.frozen_layers=0 trainer.lr=1e-3
+        # trainer.sft_lr=1e-3, envs.default_tier.terminal_basics=high, algorithm.group_size=4 trainer.tasks_per_step=12
     .venv/bin/python scripts/learning_run.py cad-pose              # attempt 14: ~65 min
     .venv/bin/python scripts/learning_run.py cad-pose trainer.steps=12     # attempt 15 (run as 14 resumed to step 12)
     .venv/bin/python scripts/learning_run.py cad-pose name=learning_cad_pose240 eval.n_per_domain=240   # attempt 16: ~98 min
