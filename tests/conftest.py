@@ -42,9 +42,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     started = _ray_seen.get("started")
     if started is None or not _ray_up():
         return
-    if started.split("::")[0] != item.nodeid.split("::")[0]:
+    if started.split("::")[0] != item.nodeid.split("::")[0] and "reported" not in _ray_seen:
         _ray_leaks.append(f"Ray initialized by {started} was still up at {item.nodeid}")
-        _ray_seen.pop("started")
+        _ray_seen["reported"] = item.nodeid  # one line per leak, not one per later module
 
 
 @pytest.hookimpl(trylast=True)
@@ -52,7 +52,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if _ray_up():
         _ray_seen.setdefault("started", item.nodeid)
     else:
-        _ray_seen.pop("started", None)
+        _ray_seen.clear()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter

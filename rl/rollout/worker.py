@@ -138,6 +138,8 @@ def _resolve_all(items: Sequence[Any]) -> list[Any]:
         return list(items)
     out = list(items)
     refs = [i for i, x in enumerate(out) if isinstance(x, ray.ObjectRef)]
+    if not refs:  # ray.get, even of nothing, starts a local Ray instance in a process that has none
+        return out
     for i, v in zip(refs, ray.get([out[i] for i in refs])):
         out[i] = v
     return out
