@@ -5,8 +5,9 @@ that would push the default run (README's test command) past its time budget. CI
 second step (.ci/run); without the flag they are skipped with the reason shown.
 
 Ray left initialized past the module whose test started it leaks into later tests (they join that
-instance, with its settings): `pytest_runtest_setup` notes which test first saw it up, and the run's
-summary names each leak (module that left it, test that found it).
+instance, with its settings): `pytest_runtest_teardown` notes the first test after which Ray is still up,
+`pytest_runtest_setup` reports it once a test of another module finds it up, and the run's summary names
+each leak (the test that left it, the test that found it).
 """
 from __future__ import annotations
 
