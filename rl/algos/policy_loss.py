@@ -7,7 +7,14 @@ correction weights (`is_weights_BT`, from `off_policy`) multiply each token's lo
 What it does not do: compute logprobs, the KL term, entropy bonuses or the value loss.
 
 Ratios: r_t = exp(logprobs_BT - old_logprobs_BT), with the log-ratio clamped to +-log_ratio_clamp
-before exp so one wild token cannot produce inf (the clamp only matters far outside any clip range).
+before exp so one wild token cannot produce inf. The clamp is not free: a clamped value has zero
+gradient, so a token with |log r| > log_ratio_clamp loses the gradient that flows through r. For
+`ppo_clip` and `dual_clip` that matters only for A < 0 and r > e^clamp, where the unclipped gradient
+-A * r * grad log pi is astronomically large (the clip already drops A > 0, r > 1 + clip_high, and
+r < e^-clamp weighs its gradient by less than 2e-9). `gspo` takes its gradient through log pi
+directly; there the clamp bounds each token's part of the sequence ratio. `cispo` takes its
+gradient through log pi directly and its weight from the unclamped ratio, so every token keeps its
+bounded gradient whatever its ratio (as in the paper, verl and TRL).
 Every loss is written so that at r = 1 its value is -A per token: under any aggregation the loss is
 then minus the aggregated advantage (a check in the tests).
 """
@@ -209,16 +216,25 @@ def cispo_loss(inputs: PolicyLossInputs, params: PolicyLossParams) -> tuple[Tens
 
     Paper form: -sg(clip(r, 1-clip_low, 1+clip_high)) * A * log pi — every token keeps a gradient
     (none is dropped as PPO's clip does), only its weight is capped. Written here as
-    -sg(clip(r)/r) * r * A: the same gradient, sg(clip(r)) * A * grad log pi, and a loss value equal to
-    the clipped surrogate -clip(r)*A (so -A at r = 1). MiniMax-M1 effectively sets no lower bound
-    (clip_low >= 1) and tunes only clip_high.
+    -sg(clip(r)) * A * (1 + log pi - sg(log pi)): the same gradient, sg(clip(r)) * A * grad log pi,
+    and a loss value equal to the clipped surrogate -clip(r)*A (so -A at r = 1). The gradient never
+    passes through r, and the weight is taken from the unclamped log-ratio, so the log-ratio clamp
+    removes no token's gradient: a token with log r = +40 keeps (1 + clip_high) * A * grad log pi, one
+    with log r = -40 keeps max(r, 1 - clip_low) * A * grad log pi. MiniMax-M1 effectively sets no lower
+    bound (clip_low >= 1) and tunes only clip_high.
     """
     mask, log_ratio, ratio, adv = _prepare(inputs, params)
-    clipped = ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high)
-    weight_BT = (clipped / ratio).detach()
-    loss_BT = -weight_BT * ratio * adv
+    lp = inputs.logprobs_BT
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    with torch.no_grad():
+        raw_log_ratio_BT = torch.where(mask, lp - inputs.old_logprobs_BT, zero)
+        # exp overflows to +inf far above the clip, and clamp maps +inf to 1 + clip_high: no clamp needed here
+        raw_ratio_BT = torch.exp(raw_log_ratio_BT)
+        weight_BT = raw_ratio_BT.clamp(1.0 - params.clip_low, 1.0 + params.clip_high)
+    token_part_BT = torch.where(mask, lp - lp.detach(), zero)  # value 0, gradient grad log pi
+    loss_BT = -weight_BT * adv * (1.0 + token_part_BT)
     metrics = _ratio_metrics(log_ratio, ratio, mask)
-    hi = ratio > 1.0 + params.clip_high
-    lo = ratio < 1.0 - params.clip_low
+    hi = raw_ratio_BT > 1.0 + params.clip_high
+    lo = raw_ratio_BT < 1.0 - params.clip_low
     metrics.update({"pg/clipfrac": _frac(lo | hi, mask), "pg/clipfrac_low": _frac(lo, mask), "pg/clipfrac_high": _frac(hi, mask)})
     return _apply_is_weights(loss_BT, inputs, mask, metrics), metrics

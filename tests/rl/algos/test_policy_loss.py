@@ -75,6 +75,45 @@ def test_cispo_keeps_gradient_where_ppo_drops_it():
     assert g_ppo.item() == 0.0
 
 
+@pytest.mark.parametrize("clip_low", [0.2, 1.0])  # 1.0: MiniMax-M1's "no lower bound"
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cispo_keeps_its_bounded_gradient_beyond_the_log_ratio_clamp(clip_low, dtype):
+    """|log r| past the +-20 clamp: values and gradients equal the slow reference (paper, verl, TRL:
+    sg(clip(r)) * A * grad log pi), token by token, with A of both signs; the clamp removes nothing."""
+    params = PolicyLossParams(clip_low=clip_low, clip_high=0.28)
+    log_r = [25.0, 40.0, 80.0, -25.0, -40.0, -80.0, 19.0, -19.0, 0.1]
+    old = torch.tensor([[-30.0 + 0.5 * i for i in range(len(log_r))]] * 2, dtype=dtype)
+    lp = (old + torch.tensor([log_r, log_r], dtype=dtype)).requires_grad_(True)
+    adv = torch.tensor([[1.0] * len(log_r), [-2.0] * len(log_r)], dtype=dtype)
+    loss_BT, m = _per_token("cispo", PolicyLossInputs(lp, old, adv, torch.ones(2, len(log_r))), params)
+    (g,) = torch.autograd.grad(loss_BT.sum(), lp)
+    tol = dict(rel=1e-5, abs=1e-30) if dtype == torch.float32 else dict(rel=1e-12, abs=1e-300)
+    for i in range(2):
+        for t in range(len(log_r)):
+            val, grad = ref_cispo_token(float(lp[i, t].detach()), float(old[i, t]), float(adv[i, t]), clip_low, 0.28)
+            assert loss_BT[i, t].item() == pytest.approx(val, **tol), (i, t, log_r[t])
+            assert g[i, t].item() == pytest.approx(grad, **tol), (i, t, log_r[t])
+    # the tokens above the clamp carry the capped weight (1 + clip_high) * |A|, not 0
+    assert g[0, 1].item() == pytest.approx(-1.28, rel=1e-6) and g[1, 2].item() == pytest.approx(2.56, rel=1e-6)
+    assert m["pg/clipfrac_high"] == pytest.approx(4 / 9)
+
+
+def test_the_log_ratio_clamp_removes_ppo_gradients_only_where_documented():
+    """The module docstring's claim: past the clamp, ppo_clip loses the gradient only for A < 0, r > e^20
+    (an unclipped -A * r term); cispo keeps all of them."""
+    lp = torch.tensor([[25.0, 25.0, -25.0, -25.0]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    inputs = PolicyLossInputs(lp, torch.zeros_like(lp), adv, torch.ones(1, 4))
+    (g_ppo,) = torch.autograd.grad(_per_token("ppo_clip", inputs)[0].sum(), lp)
+    ref = [ref_ppo_token_grad(25.0, 0.0, 1.0, 0.2, 0.28), ref_ppo_token_grad(25.0, 0.0, -1.0, 0.2, 0.28),
+           ref_ppo_token_grad(-25.0, 0.0, 1.0, 0.2, 0.28), ref_ppo_token_grad(-25.0, 0.0, -1.0, 0.2, 0.28)]
+    assert ref[1] == pytest.approx(math.exp(25.0)) and g_ppo[0, 1].item() == 0.0  # the one real difference
+    assert g_ppo[0, 0].item() == ref[0] == 0.0 and g_ppo[0, 3].item() == ref[3] == 0.0
+    assert abs(ref[2]) < 2e-11 and g_ppo[0, 2].item() == 0.0  # weight e^-25: nothing of substance lost
+    (g_cispo,) = torch.autograd.grad(_per_token("cispo", inputs)[0].sum(), lp)
+    assert (g_cispo != 0).all()
+
+
 # ----------------------------------------------------------------------------- vs loop references
 def _inputs(b, is_weights=False):
     lp = b.logprobs_BT.clone().requires_grad_(True)
