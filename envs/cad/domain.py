@@ -283,7 +283,8 @@ class CadDomain(Domain):
                 "feature_term": c.feature_term, "submitted": 1.0, "valid": 1.0, "code_failed": 0.0, "timed_out": 0.0,
                 "volume_ratio": c.v_agent / c.v_ref, "bbox_err_mm": c.bbox_err_mm,
                 "holes": float(c.agent_holes), "ref_holes": float(c.ref_holes),
-                "faces": float(c.agent_faces), "ref_faces": float(c.ref_faces)}
+                "faces": float(c.agent_faces), "ref_faces": float(c.ref_faces),
+                "solids": float(c.agent_solids), "voids": float(c.agent_voids)}
 
     def teardown(self) -> None:
         sb, self.sandbox = self.sandbox, None

@@ -124,7 +124,7 @@ class _Handlers:
 
         self.g = geometry
         self.render_mod = render
-        self.refs: dict[str, tuple[Any, Any]] = {}
+        self.refs: dict[str, tuple[Any, Any, Any]] = {}  # code -> (shape, Summary, Features)
 
     def _build(self, code: str):
         ns: dict[str, Any] = {"__name__": "__cad_reference__"}
@@ -135,7 +135,8 @@ class _Handlers:
         hit = self.refs.pop(code, None)
         if hit is None:
             shape = self._build(code)
-            hit = (shape, self.g.summarize(shape))
+            feats = self.g.features(shape, perimeters=True)
+            hit = (shape, self.g.summarize(shape, feats), feats)
             if not hit[1].valid or hit[1].volume <= 0:
                 raise ValueError("the reference code built an invalid solid (a family bug)")
         self.refs[code] = hit  # most recently used last
@@ -145,10 +146,10 @@ class _Handlers:
 
     def grade(self, req: dict) -> dict:
         # The reference first, outside the try: a failure there is the grader's (CadWorkerError), not the agent's.
-        ref, ref_summary = self.reference(req["ref_code"])
+        ref, ref_summary, ref_features = self.reference(req["ref_code"])
         try:
             agent = self.g.load_submission(base64.b64decode(req["brep_b64"]))
-            c = self.g.compare(agent, ref, ref_summary)
+            c = self.g.compare(agent, ref, ref_summary, ref_features)
         except self.g.NoSolidError as e:
             return {"valid": False, "reason": str(e), "code": e.code}
         except Exception as e:  # noqa: BLE001 - the kernel failing on agent-made geometry: that file's fault
@@ -157,7 +158,7 @@ class _Handlers:
         return {"valid": True, "comparison": c.__dict__}
 
     def render(self, req: dict) -> dict:
-        shape, summary = self.reference(req["code"])
+        shape, summary, _ = self.reference(req["code"])
         verts, tris, lines = self.g.mesh(shape)
         pic = self.render_mod.render_views(verts, tris, lines, panel=int(req.get("panel", 160)))
         return {"png_b64": base64.b64encode(pic.png).decode(), "px_per_mm": pic.px_per_mm,

@@ -15,7 +15,19 @@ Definitions (the same on both sides, so what `run_cad` reports is what the grade
   split into two arcs adds as many vertices as edges).
 * **faces** = faces after merging faces that lie on the same surface (OCC's
   `ShapeUpgrade_UnifySameDomain`, what cadquery's `clean()` runs), so two constructions of one
-  part give the same count.
+  part give the same faces.
+* **features** (what the grader's feature checks read, `features` / `compare`): the genus and the faces
+  of each solid's *outer* shell only. A closed cavity (an inner shell) cannot be seen or reached from
+  outside the part, so it is no feature: it costs the IoU its volume and nothing else. Features are
+  matched where they lie, not counted: every face has a signature (surface type, area, centroid,
+  normal or axis, radii, and for a curved surface of revolution whether the material is outside it,
+  as around a hole: `FaceSig`), and two faces match when those agree within the bounding-box
+  tolerance. `faces_ok` needs as many solids as the reference and a one-to-one matching of all faces;
+  `holes_ok` needs as many solids, the same genus and a one-to-one matching of the concave curved
+  faces (the walls of round holes and slot ends). So a handle made elsewhere (a tiny ring attached to
+  the part, a torus-shaped cavity) or a wall of the wrong radius or length never stands in for a hole,
+  and a detached body never adds a feature. Families whose holes had no curved wall would have them
+  checked by the genus and the full face matching only.
 * **bounding box** = the tight box (`BRepBndLib.AddOptimal`), in absolute coordinates.
 * **IoU** = V(A & B) / (V(A & B) + V(A - B) + V(B - A)), with V(A & B) and V(A - B) from one
   exact B-rep general fuse (`BOPAlgo_PaveFiller`, then `BRepAlgoAPI_Common` / `BRepAlgoAPI_Cut`
@@ -70,6 +82,10 @@ MAX_COORD_MM = 10_000.0
 # Bounding-box check: every coordinate of the agent's box within this of the reference's.
 BBOX_ABS_TOL_MM = 0.05
 BBOX_REL_TOL = 0.002  # x the reference box diagonal
+# Face matching (`match_faces`): positions, radii and axis offsets within the bounding-box tolerance above;
+# an area within that tolerance times the reference face's perimeter (a boundary moved by `tol` changes the
+# area by about that); directions within this angle (rad).
+ANGLE_TOL = 2e-3
 
 
 class NoSolidError(ValueError):
@@ -101,6 +117,49 @@ class Summary:
 
 
 @dataclass(frozen=True)
+class FaceSig:
+    """Where one face of a part's outer boundary lies and how big it is, for matching faces between two parts.
+
+    `kind`: the surface type ("plane", "cylinder", "cone", "sphere", "torus", or "other" for BSpline and other
+    free-form surfaces). `axis`: a plane's outward unit normal; the unit axis of a cylinder, cone or torus (its
+    sign is arbitrary); zeros otherwise. `origin`: a point on that axis (a sphere's centre); zeros for planes
+    and free-form faces. `radius`: cylinder, sphere, torus (major), cone (at `origin`); `radius2`: torus
+    (minor), cone (semi-angle, rad). `concave`: a curved surface of revolution whose outward normal points
+    toward its axis (or centre): the material is outside it, as around a drilled hole's wall.
+    """
+
+    kind: str
+    area: float
+    centroid: tuple[float, float, float]
+    axis: tuple[float, float, float]
+    origin: tuple[float, float, float]
+    radius: float
+    radius2: float
+    concave: bool
+
+
+@dataclass(frozen=True)
+class Features:
+    """The features the grader compares, read from a part's outside only (module docstring, "features").
+
+    `solids`: separate solids; `voids`: closed inner shells (cavities), which are left out of everything else
+    here; `holes`: the genus of the outer shells; `faces`: their faces after same-surface merging; `perimeters`:
+    each face's boundary length (mm, used for the area tolerance; computed for references only, else empty).
+    """
+
+    solids: int
+    voids: int
+    holes: int
+    faces: tuple[FaceSig, ...]
+    perimeters: tuple[float, ...] = ()
+
+    @property
+    def hole_walls(self) -> tuple[int, ...]:
+        """Indices of the concave curved faces: the walls of round holes and slot ends."""
+        return tuple(i for i, f in enumerate(self.faces) if f.concave)
+
+
+@dataclass(frozen=True)
 class Comparison:
     """The grader's comparison of an agent solid with the reference (all checks 0/1 floats)."""
 
@@ -118,6 +177,8 @@ class Comparison:
     bbox_err_mm: float  # largest |coordinate difference| of the two boxes
     v_agent_only: float  # V(A - B)
     v_ref_only: float  # V(B - A)
+    agent_solids: int = 1  # separate solids after the fuse (the references have one)
+    agent_voids: int = 0  # closed cavities (inner shells), left out of the feature checks
 
     @property
     def feature_term(self) -> float:
@@ -327,9 +388,169 @@ def volume(shape) -> float:
     return float(shape.Volume())
 
 
-def summarize(shape) -> Summary:
+def summarize(shape, feats: "Features | None" = None) -> Summary:
+    """What `run_cad` shows the agent; `faces` and `holes` are read from the outer shells, as the grader reads them."""
+    f = feats if feats is not None else features(shape)
     return Summary(valid=bool(shape.isValid()), solids=len(shape.Solids()), volume=volume(shape), bbox=bbox(shape),
-                   faces=face_count(shape), holes=through_holes(shape))
+                   faces=len(f.faces), holes=f.holes)
+
+
+# ----------------------------------------------------------------------------- features of the outside
+def outer_part(shape):
+    """(the solids of `shape` bounded by their outer shells only, number of inner shells left out).
+
+    An inner shell of a solid bounds a closed cavity: nothing outside the part can reach it, so it is no
+    feature of the part's outside and the feature checks never see it (it still costs the IoU its volume).
+    """
+    import cadquery as cq
+    from OCP.BRep import BRep_Builder
+    from OCP.BRepClass3d import BRepClass3d
+    from OCP.TopoDS import TopoDS_Solid
+
+    out, voids = [], 0
+    for solid in shape.Solids():
+        shells = solid.Shells()
+        if len(shells) == 1:
+            out.append(solid)
+            continue
+        voids += len(shells) - 1
+        b, outer = BRep_Builder(), TopoDS_Solid()
+        b.MakeSolid(outer)
+        b.Add(outer, BRepClass3d.OuterShell_s(solid.wrapped))
+        out.append(cq.Solid(outer))
+    return out, voids
+
+
+_KINDS = {"GeomAbs_Plane": "plane", "GeomAbs_Cylinder": "cylinder", "GeomAbs_Cone": "cone",
+          "GeomAbs_Sphere": "sphere", "GeomAbs_Torus": "torus"}
+
+
+def _xyz(p) -> tuple[float, float, float]:
+    return (p.X(), p.Y(), p.Z())
+
+
+def face_sig(face) -> FaceSig:
+    """The face's `FaceSig`: its surface from the kernel's adaptor (placed in absolute coordinates), area and
+    centroid from BRepGProp, and the outward normal at the middle of its parameter range (the face's
+    orientation in its solid flips the surface's own normal)."""
+    from OCP.BRepAdaptor import BRepAdaptor_Surface
+    from OCP.BRepGProp import BRepGProp
+    from OCP.GProp import GProp_GProps
+    from OCP.gp import gp_Pnt, gp_Vec
+    from OCP.TopAbs import TopAbs_REVERSED
+
+    props = GProp_GProps()
+    BRepGProp.SurfaceProperties_s(face, props)
+    ad = BRepAdaptor_Surface(face, True)
+    kind = _KINDS.get(ad.GetType().name, "other")
+    u = 0.5 * (ad.FirstUParameter() + ad.LastUParameter())
+    v = 0.5 * (ad.FirstVParameter() + ad.LastVParameter())
+    p, du, dv = gp_Pnt(), gp_Vec(), gp_Vec()
+    ad.D1(u, v, p, du, dv)
+    n = du.Crossed(dv)
+    if face.Orientation() == TopAbs_REVERSED:
+        n.Reverse()
+    zero = (0.0, 0.0, 0.0)
+    axis, origin, r1, r2, concave = zero, zero, 0.0, 0.0, False
+    if kind == "plane":
+        mag = n.Magnitude()
+        axis = (n.X() / mag, n.Y() / mag, n.Z() / mag) if mag > 0 else zero
+    elif kind != "other":
+        if kind == "cylinder":
+            g = ad.Cylinder()
+            ax, r1 = g.Axis(), g.Radius()
+        elif kind == "cone":
+            g = ad.Cone()
+            ax, r1, r2 = g.Axis(), g.RefRadius(), g.SemiAngle()
+        elif kind == "torus":
+            g = ad.Torus()
+            ax, r1, r2 = g.Axis(), g.MajorRadius(), g.MinorRadius()
+        else:
+            g = ad.Sphere()
+            ax, r1 = g.Position().Axis(), g.Radius()
+        o, d = np.array(_xyz(ax.Location())), np.array(_xyz(ax.Direction()))
+        q = np.array(_xyz(p))
+        foot = o if kind == "sphere" else o + np.dot(q - o, d) * d  # nearest point of the axis (the centre)
+        if kind == "torus":  # nearest point of the torus's core circle
+            radial = q - foot
+            foot = foot + r1 * radial / max(np.linalg.norm(radial), 1e-300)
+        concave = float(np.dot(np.array(_xyz(n)), q - foot)) < 0.0
+        axis, origin = tuple(float(x) for x in d), tuple(float(x) for x in o)
+    return FaceSig(kind=kind, area=float(props.Mass()), centroid=_xyz(props.CentreOfMass()), axis=axis,
+                   origin=origin, radius=float(r1), radius2=float(r2), concave=bool(concave))
+
+
+def features(shape, perimeters: bool = False) -> Features:
+    """`Features` of `shape` (see the class); `perimeters` for a reference, whose faces set the tolerances."""
+    from OCP.BRepGProp import BRepGProp
+    from OCP.GProp import GProp_GProps
+
+    solids, voids = outer_part(shape)
+    sigs: list[FaceSig] = []
+    per: list[float] = []
+    genus = 0
+    for solid in solids:
+        merged = solid.clean()
+        genus += through_holes(merged)
+        for f in merged.Faces():
+            sigs.append(face_sig(f.wrapped))
+            if perimeters:
+                props = GProp_GProps()
+                BRepGProp.LinearProperties_s(f.wrapped, props)
+                per.append(float(props.Mass()))
+    return Features(solids=len(solids), voids=voids, holes=genus, faces=tuple(sigs), perimeters=tuple(per))
+
+
+def _same_face(a: FaceSig, b: FaceSig, tol: float, area_tol: float) -> bool:
+    """`a` (the agent's) lies where `b` (the reference's) does, within `tol` mm: same surface, same side out."""
+    if a.kind != b.kind or abs(a.area - b.area) > area_tol or math.dist(a.centroid, b.centroid) > tol:
+        return False
+    if a.kind == "other":
+        return True
+    dot = sum(x * y for x, y in zip(a.axis, b.axis))
+    if a.kind == "plane":
+        return dot >= 1.0 - ANGLE_TOL ** 2 / 2  # normals: the same direction, the material on the same side
+    if a.concave != b.concave or abs(a.radius - b.radius) > tol or abs(a.radius2 - b.radius2) > tol:
+        return False
+    if a.kind == "sphere":
+        return math.dist(a.origin, b.origin) <= tol
+    if abs(dot) < 1.0 - ANGLE_TOL ** 2 / 2:
+        return False
+    # The two axes are one line: the agent's axis point lies on the reference's axis (cones: the same apex side
+    # follows from the centroid and radius checks).
+    rel = [x - y for x, y in zip(a.origin, b.origin)]
+    along = sum(x * y for x, y in zip(rel, b.axis))
+    return math.sqrt(max(0.0, sum(x * x for x in rel) - along * along)) <= tol and (
+        a.kind != "torus" or abs(along) <= tol)
+
+
+def match_faces(agent: tuple[FaceSig, ...], ref: tuple[FaceSig, ...], ref_perimeters: tuple[float, ...],
+                tol: float) -> int:
+    """The largest number of reference faces that can each be paired with a different agent face lying where it
+    does (`_same_face`): a maximum bipartite matching (augmenting paths, Kuhn 1955)."""
+    if not agent or not ref:
+        return 0
+    ca = np.array([f.centroid for f in agent])
+    aa = np.array([f.area for f in agent])
+    cand: list[list[int]] = []
+    for j, r in enumerate(ref):
+        area_tol = tol * ref_perimeters[j] + 1e-6 * r.area
+        near = np.nonzero((np.abs(aa - r.area) <= area_tol)
+                          & (np.linalg.norm(ca - np.array(r.centroid), axis=1) <= tol))[0]
+        cand.append([int(i) for i in near if _same_face(agent[i], r, tol, area_tol)])
+    owner: dict[int, int] = {}
+
+    def augment(j: int, seen: set[int]) -> bool:
+        for i in cand[j]:
+            if i in seen:
+                continue
+            seen.add(i)
+            if i not in owner or augment(owner[i], seen):
+                owner[i] = j
+                return True
+        return False
+
+    return sum(augment(j, set()) for j in range(len(ref)))
 
 
 def boolean_cells(a, b) -> tuple[float, float]:
@@ -377,18 +598,19 @@ def bbox_tolerance(ref_box: tuple[float, ...]) -> float:
     return BBOX_ABS_TOL_MM + BBOX_REL_TOL * diag
 
 
-def compare(agent, ref, ref_summary: Summary | None = None) -> Comparison:
+def compare(agent, ref, ref_summary: Summary | None = None, ref_features: Features | None = None) -> Comparison:
     """Compare the agent's solid (already through `to_shape`) with the reference in absolute coordinates.
 
     Raises NoSolidError when the volumes contradict each other (module docstring) or when the kernel
     fails on the agent's shape.
     """
-    rs = ref_summary or summarize(ref)
+    rf = ref_features or features(ref, perimeters=True)
+    rs = ref_summary or summarize(ref, rf)
     try:
         va, vb = volume(agent), rs.volume
         vi, da = boolean_cells(agent, ref)
         abox = bbox(agent)
-        ah, af = through_holes(agent), face_count(agent)
+        af = features(agent)
     except Exception as e:  # noqa: BLE001 - OCC (or the Euler check) failing on agent-made geometry
         raise NoSolidError(f"the kernel could not measure the solid ({type(e).__name__}: {e})", "kernel") from None
     # V(B) is the trusted reference's own volume, so V(B - A) = V(B) - V(A & B); what needs checking is
@@ -408,10 +630,19 @@ def compare(agent, ref, ref_summary: Summary | None = None) -> Comparison:
     if not 0.0 <= value <= 1.0 + IOU_SNAP:
         raise NoSolidError(f"IoU {value:.6g} is not that of two solids", "inconsistent")
     err = max(abs(x - y) for x, y in zip(abox, rs.bbox))
-    return Comparison(iou=value, v_agent=va, v_ref=vb, v_common=vi, holes_ok=float(ah == rs.holes),
-                      faces_ok=float(af == rs.faces), bbox_ok=float(err <= bbox_tolerance(rs.bbox)),
-                      agent_holes=ah, ref_holes=rs.holes, agent_faces=af, ref_faces=rs.faces, bbox_err_mm=err,
-                      v_agent_only=da, v_ref_only=db)
+    len_tol = bbox_tolerance(rs.bbox)
+    holes_ok = faces_ok = False
+    if af.solids == rf.solids:  # one solid for one: a detached body is never a feature
+        if len(af.faces) == len(rf.faces):
+            faces_ok = match_faces(af.faces, rf.faces, rf.perimeters, len_tol) == len(rf.faces)
+        walls_a, walls_r = af.hole_walls, rf.hole_walls
+        if af.holes == rf.holes and len(walls_a) == len(walls_r):
+            holes_ok = match_faces(tuple(af.faces[i] for i in walls_a), tuple(rf.faces[j] for j in walls_r),
+                                   tuple(rf.perimeters[j] for j in walls_r), len_tol) == len(walls_r)
+    return Comparison(iou=value, v_agent=va, v_ref=vb, v_common=vi, holes_ok=float(holes_ok),
+                      faces_ok=float(faces_ok), bbox_ok=float(err <= len_tol),
+                      agent_holes=af.holes, ref_holes=rf.holes, agent_faces=len(af.faces), ref_faces=len(rf.faces),
+                      bbox_err_mm=err, v_agent_only=da, v_ref_only=db, agent_solids=af.solids, agent_voids=af.voids)
 
 
 # ----------------------------------------------------------------------------- meshes for pictures
