@@ -40,20 +40,36 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 envs.weights.swe=0.5")
 
 
+def _choice(args: argparse.Namespace) -> str:
+    return "resume" if args.resume else "new" if args.new_run else "auto"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jointrl", description="Joint multi-domain RL post-training for sparse MoE LLMs.")
     sub = parser.add_subparsers(dest="cmd", metavar="{train,eval,serve,envs,export,models,jobs,report}")
 
-    p = sub.add_parser("train", help="run SFT warm-start + RL from a YAML config (Ray started in-process unless RAY_ADDRESS is set)")
-    _config_args(p)
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
+    p = sub.add_parser("train", help="run SFT warm-start + RL from a YAML config (Ray started in-process unless RAY_ADDRESS is set)",
+                       description="Train from CONFIG (required; '-' for the built-in defaults). A run directory that already "
+                                   "holds a run is resumed when its config matches; otherwise the run is refused, naming the "
+                                   "keys that differ, unless --resume or --new-run says what to do.")
+    p.add_argument("config", metavar="CONFIG", nargs="?", default=None,
+                   help="YAML run config (e.g. configs/quickstart.yaml), or '-' for the built-in defaults")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 envs.weights.swe=0.5")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, names, files, resources and the run directory without side effects (no "
+                        "downloads, no Ray); print the resolved config, the placement and what a real run would pull")
+    choose = p.add_mutually_exclusive_group()
+    choose.add_argument("--resume", action="store_true",
+                        help="continue the run in the run directory even though its config differs (the change is recorded)")
+    choose.add_argument("--new-run", action="store_true",
+                        help="move an existing run directory aside (RUN_DIR.prev-<time>) and start a new run there")
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on each domain's held-out split")
     p.add_argument("checkpoint", help="checkpoint directory (HF format) or a shipped model config name")
     p.add_argument("--config", default=None, help="YAML run config for env/rollout settings")
-    p.add_argument("--tasks-per-domain", type=int, default=8)
+    p.add_argument("--tasks-per-domain", type=int, default=8, help="held-out tasks evaluated per domain (default 8)")
     p.add_argument("--tiers", default=None, help="comma-separated thinking tiers to evaluate (low,high,max)")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the run config, e.g. eval.samples=2")
 
     p = sub.add_parser("serve", help="OpenAI chat-completions and Anthropic Messages endpoints over a vLLM engine")
     from rl.serve.settings import add_arguments as add_serve_arguments  # light: the flags are generated from ServeSettings
@@ -61,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
 
     p = sub.add_parser("envs", help="environment registry: list | check ID | play ID", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the envs subcommand and its arguments (`jointrl envs --help`)")
 
     p = sub.add_parser("export", help="export a checkpoint (e.g. with MXFP4 expert weights)")
     p.add_argument("--mxfp4", action="store_true", help="quantize weights to MXFP4 (OCP MX v1.0)")
-    p.add_argument("--include", choices=["experts", "all_linear"], default="experts")
+    p.add_argument("--include", choices=["experts", "all_linear"], default="experts",
+                   help="which weights --mxfp4 quantizes: the MoE experts (default) or every linear layer")
     p.add_argument("--rest-dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="dtype of the tensors kept in high precision (default: as in the source)")
     p.add_argument("src", help="run dir or checkpoint dir")
@@ -74,13 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=8, help="with --to and without --mxfp4: number of safetensors shards")
 
     p = sub.add_parser("jobs", help="agent jobs: serve MODEL | submit | status | watch | cancel", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the jobs subcommand and its arguments (`jointrl jobs --help`)")
 
     p = sub.add_parser("models", help="pretrained models: pull NAME (prints its checkpoint dir last) | list")
     _load("rl.models_cli", "add_arguments")(p)
 
     p = sub.add_parser("report", help="write a self-contained HTML report for a run directory")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory (runs/<name>), finished or still running")
     p.add_argument("--out", default=None, help="output HTML path (default RUN_DIR/report.html)")
     return parser
 
@@ -99,26 +116,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rl.config import ConfigError, load_config
 
-    # `jointrl train trainer.lr=1e-5` (no YAML): the first positional is an override, not a file.
-    if getattr(args, "config", None) and "=" in args.config and args.cmd == "train":
-        args.overrides = [args.config, *args.overrides]
-        args.config = None
+    if args.cmd == "train" and (args.config is None or "=" in args.config):
+        # Nothing asked for: say how to ask, start nothing (a default run is `jointrl train -`).
+        parser._subparsers._group_actions[0].choices["train"].print_usage(sys.stderr)  # noqa: SLF001
+        print("jointrl train: give a YAML run config (e.g. configs/quickstart.yaml), or '-' for the built-in defaults; "
+              "`jointrl train --help` for more", file=sys.stderr)
+        return EXIT_CONFIG
 
     try:
         if args.cmd == "train":
-            cfg = load_config(args.config, args.overrides)
+            path = None if args.config == "-" else args.config
             if args.dry_run:
-                import yaml
+                from rl.dryrun import dry_run
 
-                from rl.config import to_dict
+                return dry_run(path, args.overrides, choice=_choice(args))
+            cfg = load_config(path, args.overrides)
+            from rl.config import to_dict
+            from rl.rundir import apply, decide
 
-                from rl.runtime import describe_placement
-
-                print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-                print("# placement")
-                for line in describe_placement(cfg):
-                    print(line)
-                return 0
+            decision = decide(to_dict(cfg), cfg.resolved_run_dir(), _choice(args), resume_enabled=cfg.trainer.resume)
+            if decision.action == "refuse":
+                print(f"jointrl train: {decision.message}", file=sys.stderr)
+                return EXIT_CONFIG
+            print(f"jointrl train: {decision.message}", file=sys.stderr, flush=True)
+            apply(decision, to_dict(cfg))
             return _call("rl.train", "main", "training", cfg)
         if args.cmd == "eval":
             cfg = load_config(args.config, args.overrides)
@@ -142,6 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _call("rl.observe.report", "main", "the HTML report", args.run_dir, args.out)
     except ConfigError as e:
         print(f"jointrl: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as e:
+        from rl.admission import AdmissionRefused
+
+        if not isinstance(e, AdmissionRefused):
+            raise
+        print(f"jointrl {args.cmd}: refused: {e}", file=sys.stderr)
         return EXIT_CONFIG
     parser.error(f"unknown command {args.cmd}")
     return EXIT_CONFIG

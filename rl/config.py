@@ -405,8 +405,21 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, defaults: dict[st
     node[parts[-1]] = value
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a YAML run config (or the defaults) and apply `key.sub=value` overrides; validate all of it."""
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """`config file F, line L, column C: problem` (and the offending line), from a YAML parser error."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    if mark is None:
+        return f"config file {path}: not valid YAML: {problem}"
+    lines = path.read_text().splitlines()
+    shown = f"\n    {lines[mark.line]}\n    {' ' * mark.column}^" if mark.line < len(lines) else ""
+    return f"config file {path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}{shown}"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                pull: bool = True) -> RunConfig:
+    """Load a YAML run config (or the defaults) and apply `key.sub=value` overrides; validate all of it.
+    `pull=False` (a dry run): a pullable model that is not cached keeps its name instead of being pulled."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -414,7 +427,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             p = CONFIG_DIR / p
         if not p.exists():
             raise ConfigError(f"config file not found: {path}")
-        loaded = _yaml(p.read_text()) or {}
+        try:
+            loaded = _yaml(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(_yaml_error(p, e)) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
         data = loaded
@@ -424,20 +440,29 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         k, v = ov.split("=", 1)
         _set_dotted(data, k.strip(), _parse_scalar(v), dataclasses.asdict(RunConfig()))
     cfg = _build(RunConfig, data, "")
-    cfg = resolve_pullable(cfg)
+    cfg = resolve_pullable(cfg, pull=pull)
     validate(cfg)
     return cfg
 
 
-def resolve_pullable(cfg: RunConfig) -> RunConfig:
+def _hub():
+    """model/hub.py's registry without the cost of importing the model package (torch, transformers: ~7 s)."""
+    from rl.models_cli import light_hub
+
+    return light_hub()
+
+
+def resolve_pullable(cfg: RunConfig, *, pull: bool = True) -> RunConfig:
     """`model.arch` (and `model.reference`) naming a pullable pretrained model (model/hub.py) becomes that
     model's checkpoint directory, pulled first if this machine has not pulled it yet (cached, file-locked,
     offline after the first pull). Everything after this sees a directory, as if the user had given one."""
-    from model import hub
+    hub = _hub()
 
     def resolved(key: str, value: str) -> str:
         if value not in hub.names():
             return value
+        if not pull:
+            return str(hub.local_path(value)) if hub.is_cached(value) else value
         if not hub.is_cached(value):
             import sys
 
@@ -537,7 +562,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'algorithm.kl_coef': value {cfg.algorithm.kl_coef} must be >= 0")
     if cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0:
         raise ConfigError("config key 'algorithm.kl_in_reward': needs algorithm.kl_coef > 0 (the penalty's coefficient)")
-    if cfg.model.reference != "initial" and not (Path(cfg.model.reference) / "config.json").is_file():
+    _validate_model_names(cfg)
+    _validate_env_ids(cfg)
+    if cfg.model.reference != "initial" and not (Path(cfg.model.reference) / "config.json").is_file() \
+            and cfg.model.reference not in _hub().names():
         raise ConfigError(f"config key 'model.reference': {cfg.model.reference!r} is neither 'initial' nor a checkpoint "
                           "directory with config.json")
     _validate_lora(cfg.trainer.lora, cfg.trainer.sync_transport)
@@ -547,6 +575,39 @@ def validate(cfg: RunConfig) -> None:
         problem = node_resource_problem(name)
         if problem:
             raise ConfigError(f"config key '{key}': {name!r} {problem}")
+
+
+def _validate_model_names(cfg: RunConfig) -> None:
+    """`model.arch` names a shipped shape (configs/model/<name>.json), a pullable model, a JSON model config or a
+    checkpoint directory: anything else is refused here, with the nearest name, before anything starts."""
+    arch = cfg.model.arch
+    shipped = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.json"))
+    pullable = list(_hub().names())
+    if arch in shipped or arch in pullable or (Path(arch) / "config.json").is_file() or \
+            (arch.endswith(".json") and Path(arch).is_file()):
+        return
+    near = difflib.get_close_matches(arch, shipped + pullable, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise ConfigError(f"config key 'model.arch': {arch!r} is not a model{hint} (allowed: a shipped shape "
+                      f"{', '.join(map(repr, shipped))}, a pullable model {', '.join(map(repr, pullable))} "
+                      "(`jointrl models list`), or a checkpoint directory with config.json)")
+
+
+def _validate_env_ids(cfg: RunConfig) -> None:
+    """Every weighted domain's `envs.env_ids` entry is a registered environment (with the nearest id suggested)."""
+    import envs
+
+    known = [s.env_id for s in envs.list_envs()]
+    for d, w in cfg.envs.weights.items():
+        env_id = cfg.envs.env_ids.get(d)
+        if w <= 0 or env_id in known:
+            continue
+        near = difflib.get_close_matches(str(env_id), known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        skipped = envs.discovery_errors()
+        why = f" (environments that failed to load: {', '.join(sorted(skipped))})" if skipped else ""
+        raise ConfigError(f"config key 'envs.env_ids.{d}': unknown environment id {env_id!r}{hint} (`jointrl envs list` "
+                          f"shows the {len(known)} registered ids){why}")
 
 
 # Resources Ray counts on every node: they cannot mark chosen nodes, and a NODE_RESOURCE_UNIT of them

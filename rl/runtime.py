@@ -236,7 +236,9 @@ class Runtime:
         np.random.seed(cfg.envs.seed)
         torch.manual_seed(cfg.model.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        from rl.rundir import write_config
+
+        write_config(self.run_dir, to_dict(cfg))  # config.json + config.sha256: what `jointrl train` resumes against
         resume = with_trainer and cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
         init_dir = build_initial_checkpoint(cfg.model.arch, self.run_dir / "init_model", cfg.model.seed)
         self.lora = self._plan_lora(init_dir)
@@ -275,6 +277,9 @@ class Runtime:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
             else:
+                from rl.admission import admit
+
+                admit(cfg, self.run_dir)  # refused here, before Ray, if it does not fit beside the runs already here
                 start_local_ray(log_to_driver=True)
         check_node_resources(cfg, with_trainer)
         check_gpu_resources(cfg, with_trainer)
@@ -399,6 +404,9 @@ class Runtime:
                 pass
         if not os.environ.get("RAY_ADDRESS") and ray.is_initialized():
             ray.shutdown()
+        from rl.admission import release
+
+        release()
 
     # ------------------------------------------------------------------ rollout
     def make_env(self, task: Task):

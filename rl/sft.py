@@ -195,12 +195,39 @@ def sft_data(rt: Any) -> list[Episode]:
     return eps
 
 
+SFT_META = "sft_meta.json"  # in an SFT checkpoint directory: {"sft_step": steps done, "steps": planned, "done": bool}
+
+
+def read_sft_checkpoint(ckpt_dir: Path | None) -> dict[str, Any] | None:
+    """The meta of a complete SFT checkpoint in `ckpt_dir`, or None."""
+    if ckpt_dir is None or not (Path(ckpt_dir) / SFT_META).is_file():
+        return None
+    try:
+        return json.loads((Path(ckpt_dir) / SFT_META).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _save_sft_checkpoint(rt: Any, ckpt_dir: Path, done: int, steps: int, seconds: float) -> None:
+    """The trainer state after `done` supervised steps; the meta file is written last, atomically, so a kill
+    mid-save leaves the previous checkpoint (or none) valid."""
+    (Path(ckpt_dir) / SFT_META).unlink(missing_ok=True)
+    rt.trainer.save_checkpoint(str(ckpt_dir))
+    tmp = Path(ckpt_dir) / (SFT_META + ".tmp")
+    tmp.write_text(json.dumps({"sft_step": done, "steps": steps, "done": done >= steps, "seconds": seconds}))
+    tmp.replace(Path(ckpt_dir) / SFT_META)
+    log.info("SFT checkpoint saved at SFT step %d of %d (%s)", done, steps, ckpt_dir)
+
+
 def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, label: str = "sft",
-              seed_offset: int = 0) -> dict[str, float]:
+              seed_offset: int = 0, checkpoint_dir: Path | None = None, checkpoint_every: int = 0) -> dict[str, float]:
     """Supervised steps on `sft_data(rt)` through the runtime's trainer: `steps` of them, or as many as fit in
     `seconds` of wall time (the SFT control arm: SFT continued for as long as RL ran). Batches are
-    `trainer.micro_batch_size` trajectories drawn without replacement per step. The engines are not synced."""
-    import json
+    `trainer.micro_batch_size` trajectories drawn without replacement per step. The engines are not synced.
+
+    With `checkpoint_dir` (a step count only): the trainer state is saved there every `checkpoint_every` steps
+    (0: only at the end) and at the end, and a checkpoint found there is resumed: its steps are not redone and
+    the batch sampler skips the draws they made, so the resumed steps see the batches an uninterrupted run would."""
     import random
     import time
 
@@ -212,16 +239,24 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
     if not eps:
         log.warning("%s: no reference trajectories; no supervised steps", label)
         return {}
-    log.info("%s: %d trajectories, %s", label, len(eps), f"{steps} steps" if steps is not None else f"{seconds:.0f} s")
     rng = random.Random(rt.cfg.model.seed + seed_offset)
+    bs = max(1, rt.cfg.trainer.micro_batch_size)
+    start, prior_s = 0, 0.0
+    meta = read_sft_checkpoint(checkpoint_dir) if steps is not None else None
+    if meta is not None:
+        rt.trainer.load_checkpoint(str(checkpoint_dir))
+        start, prior_s = min(int(meta["sft_step"]), steps), float(meta.get("seconds", 0.0))
+        for _ in range(start):
+            rng.sample(eps, min(bs, len(eps)))  # the draws of the steps already done
+        log.warning("%s: resumed from its checkpoint at SFT step %d of %d (%s)", label, start, steps, checkpoint_dir)
+    log.info("%s: %d trajectories, %s", label, len(eps), f"{steps} steps" if steps is not None else f"{seconds:.0f} s")
     rt.trainer.set_lr(rt.cfg.trainer.sft_lr)
     m: dict[str, float] = {}
-    bs = max(1, rt.cfg.trainer.micro_batch_size)
     t0 = time.perf_counter()
-    done = 0
-    bar = progress(range(steps) if steps is not None else iter(int, 1), desc=label, total=steps)
+    done = start
+    bar = progress(range(start, steps) if steps is not None else iter(int, 1), desc=label, total=steps, initial=start)
     with open(rt.run_dir / f"{label}_metrics.jsonl", "a", encoding="utf-8") as f:
-        for i in bar:
+        for _ in bar:
             if seconds is not None and time.perf_counter() - t0 >= seconds:
                 break
             chosen = rng.sample(eps, min(bs, len(eps)))
@@ -231,13 +266,19 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
             f.write(json.dumps({"sft_step": done - 1, **m}) + "\n")
             f.flush()  # watchable while the run goes on
             bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
+            if checkpoint_dir is not None and steps is not None and checkpoint_every and done % checkpoint_every == 0 \
+                    and done < steps:
+                _save_sft_checkpoint(rt, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
     rt.trainer.set_lr(rt.cfg.trainer.lr)
+    if checkpoint_dir is not None and steps is not None and done > start:
+        _save_sft_checkpoint(rt, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
     rt.refresh_versions()
     return {**m, "sft/trajectories": float(len(eps)), "sft/data_reward": sum(e.reward for e in eps) / len(eps),
-            "sft/steps": float(done), "sft/seconds": time.perf_counter() - t0}
+            "sft/steps": float(done), "sft/seconds": prior_s + time.perf_counter() - t0}
 
 
-def sft_warm_start(rt: Any, steps: int) -> dict[str, float]:
+def sft_warm_start(rt: Any, steps: int, checkpoint_dir: Path | None = None) -> dict[str, float]:
     """Supervised warm start on the run's SFT set (`sft_data`: references or `trainer.sft_data`), through
-    the runtime's trainer (`rt`: rl.runtime.Runtime); the engines are not synced here."""
-    return sft_train(rt, steps=steps, label="sft")
+    the runtime's trainer (`rt`: rl.runtime.Runtime), checkpointed in `checkpoint_dir` every
+    `trainer.checkpoint_every` steps and at its end, and resumed from there; the engines are not synced here."""
+    return sft_train(rt, steps=steps, label="sft", checkpoint_dir=checkpoint_dir, checkpoint_every=rt.cfg.trainer.checkpoint_every)

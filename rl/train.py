@@ -165,7 +165,7 @@ def run(cfg: RunConfig, runtime=None) -> dict:
     from rl.eval_plan import write_family_summary
     from rl.evaluate import evaluate, load_eval, print_eval_table
     from rl.runtime import Runtime
-    from rl.sft import sft_warm_start
+    from rl.sft import SFT_META, sft_warm_start
 
     setup_logging(cfg.logging.level)
     rt = runtime or Runtime.start(cfg)
@@ -176,11 +176,15 @@ def run(cfg: RunConfig, runtime=None) -> dict:
         e = cfg.envs
         rt.sampler = rt.sampler.reconfigured(rule=e.sampler_rule, level=e.sampler_level, families=record.family_of(),
                                              dump_c=e.dump_c, dump_temperature=e.dump_temperature)
+        snapshot = rt.run_dir / SFT_SNAPSHOT
+        if not cfg.trainer.resume:                                             # starting over: no SFT checkpoint is resumed
+            (snapshot / SFT_META).unlink(missing_ok=True)
         if rt.start_step == 0 and cfg.trainer.sft_steps > 0:
-            summary["sft"] = sft_warm_start(rt, cfg.trainer.sft_steps)  # supervised warm start on reference trajectories
+            # supervised warm start, checkpointed into (and resumed from) the snapshot the control arm starts from
+            summary["sft"] = sft_warm_start(rt, cfg.trainer.sft_steps, checkpoint_dir=snapshot)
             rt.sync_weights()
-        if rt.start_step == 0 and cfg.eval.sft_control:
-            rt.trainer.save_checkpoint(str(rt.run_dir / SFT_SNAPSHOT))        # the control arm starts here too
+        elif rt.start_step == 0 and cfg.eval.sft_control:
+            rt.trainer.save_checkpoint(str(snapshot))                          # the control arm starts here too
         rt.prepare_reference()                                                 # the KL reference, when one is configured
         # A resumed run's policy is a checkpoint of RL, not the one RL started from: the "before" arm is the
         # first run's evaluation (its file), never the checkpoint's.

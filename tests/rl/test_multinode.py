@@ -215,7 +215,7 @@ def test_trainer_node_loss_fails_the_step_and_jointrl_train_resumes(nodes, tiny_
     def jointrl_train_again() -> None:  # in a thread: Ray starts nodes only from the main thread (signal handlers)
         t0 = time.perf_counter()
         try:
-            result["rc"] = jointrl(["train", *ov])
+            result["rc"] = jointrl(["train", "-", *ov])
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             result["error"] = e
         result["s"] = time.perf_counter() - t0

@@ -1,0 +1,99 @@
+"""`jointrl train CONFIG --dry-run`: every check a run makes before it starts, with no side effects.
+
+It loads and validates the config (keys, types, allowed values, cross-section rules, environment ids and
+model names with the nearest valid name, files such as `trainer.sft_data`), decides what the run would do
+with its run directory (new, resume, refuse: rl/rundir.py), checks the GPUs the config asks for against
+this machine's, the memory the run needs against what the machine has free (rl/admission.py), and whether
+the sandbox its domains need can start here (envs/sandbox). It prints the resolved config, the placement of
+each role, and what a real run would download or build. It downloads nothing, converts nothing, starts no
+Ray and writes nothing: a pullable model that is not cached keeps its name and is listed as a pull.
+Exit 0 when a real run would start, 2 (with the reasons) when it would be refused.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+
+def _gpus_here() -> int:
+    """NVIDIA devices visible to this process, from the device files (no CUDA initialisation)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def pulls(cfg) -> list[str]:
+    """What a real run of `cfg` downloads or builds first: pullable models that are not cached."""
+    from rl.models_cli import light_hub
+
+    hub = light_hub()
+    out = []
+    for key, value in (("model.arch", cfg.model.arch), ("model.reference", cfg.model.reference)):
+        if value in hub.names() and not hub.is_cached(value):
+            spec = hub.get(value)
+            mb = hub._download_bytes(value) / 1e6  # noqa: SLF001 - the listing's own figure
+            out.append(f"{key}: pulls {value!r} (downloads {mb:.0f} MB, builds ~{spec.disk_bytes / 1e9:.2f} GB into "
+                       f"{hub.local_path(value)}); `jointrl models pull {value}` does it ahead of time")
+    return out
+
+
+def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") -> int:
+    import yaml
+
+    from rl.admission import estimate_run_memory, memory_available
+    from rl.config import load_config, to_dict
+    from rl.rundir import decide
+    from rl.runtime import describe_placement
+
+    t0 = time.perf_counter()
+    cfg = load_config(path, overrides, pull=False)
+    problems: list[str] = []
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    print("# placement")
+    for line in describe_placement(cfg):
+        print(line)
+
+    print("# run directory")
+    d = decide(to_dict(cfg), cfg.resolved_run_dir(), choice, resume_enabled=cfg.trainer.resume)
+    print(d.message)
+    if d.action == "refuse":
+        problems.append(d.message)
+
+    print("# resources")
+    need_gpus = cfg.rollout.num_workers * cfg.rollout.gpus_per_worker + cfg.trainer.num_workers * cfg.trainer.gpus_per_rank
+    have = _gpus_here()
+    print(f"GPUs: the run asks for {need_gpus:g}; this machine shows {have}")
+    if need_gpus > have and not os.environ.get("RAY_ADDRESS"):
+        problems.append(f"the run asks for {need_gpus:g} GPU(s) (trainer.gpus_per_rank x trainer.num_workers + "
+                        f"rollout.gpus_per_worker x rollout.num_workers) and this machine has {have}; set them to 0 on CPU")
+    need = estimate_run_memory(cfg)
+    free = memory_available()
+    print(f"memory: the run needs ~{need.total_gib:.1f} GiB ({need.describe()}); {free:.1f} GiB available now")
+    if not os.environ.get("RAY_ADDRESS") and need.total_gib > free:
+        problems.append(f"the run needs ~{need.total_gib:.1f} GiB and {free:.1f} GiB is available (other runs or jobs "
+                        "hold the rest; docs/training.md, 'Several runs on one machine')")
+
+    print("# sandbox")
+    try:
+        from envs.sandbox.bwrap import sandbox_report
+
+        print(sandbox_report())
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a sandbox that cannot start is a refusal, said in its own words
+        problems.append(f"sandbox: {e}")
+        print(f"refused: {e}")
+
+    print("# a real run pulls")
+    for line in pulls(cfg) or ["nothing (every model it names is cached or a directory)"]:
+        print(line)
+    print(f"# checked in {time.perf_counter() - t0:.1f} s; nothing was started, written or downloaded")
+    if problems:
+        for p in problems:
+            print(f"jointrl train --dry-run: {p}", file=sys.stderr)
+        return 2
+    return 0
