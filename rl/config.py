@@ -157,6 +157,9 @@ class AlgorithmSection:
     gamma: float = 1.0  # gae, reinforce_pp: discount per generated token
     lam: float = 0.95  # gae: GAE lambda (Schulman et al. 2016)
     value_clip: float = 0.2  # gae: the critic's clipped value loss range; <= 0 = plain squared error
+    # whiten the advantages over the step batch before the loss ((A - mean) / std over generated tokens;
+    # rl/objective.py: loss_advantages). auto: on for gae (as verl and OpenRLHF do), off otherwise
+    whiten_advantages: Literal["auto", True, False] = "auto"
 
 
 @dataclass

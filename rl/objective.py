@@ -1,12 +1,21 @@
 """The RL training objective the trainer minimises, composed from rl/algos by name.
 
     loss = policy_loss(ratio vs pi_old, advantages; TIS weights for the engine/trainer mismatch)
-         + kl_coef * KL(pi || pi_ref)                     (when reference logprobs are present)
+         + kl_coef * k(pi, pi_ref)                        (when reference logprobs are present)
          + router aux / z terms on the routes actually used (replayed routes under R2/R3)
+
+k is the per-token KL estimator `kl_estimator`. Its value estimates KL(pi || pi_ref); its gradient as
+a loss does not always follow that KL: with k3 (the default) the expected gradient is that of
+KL(pi_ref || pi) (rl/algos/kl.py).
 
 Aggregation weights are computed once on the whole step batch by the driver (`loss_weights_BT`)
 and sliced with the micro-batch, so gradient accumulation gives exactly the whole-batch objective.
 `RLObjective` is a frozen dataclass (picklable for Ray) holding only names and coefficients.
+
+`loss_advantages` is the step-batch part of the objective: it reads `algorithm.whiten_advantages` and
+whitens the estimator's advantages over the whole step batch before any micro-batch sees them ("auto":
+on for `gae`, as verl and OpenRLHF do for PPO; off for the group estimators, whose advantages are
+already centred per group, and for `reinforce_pp`, which whitens by itself).
 """
 from __future__ import annotations
 
@@ -15,7 +24,30 @@ from typing import Any, Sequence
 
 import torch
 
-from rl.algos import PolicyLossInputs, PolicyLossParams, compute_policy_loss, kl_loss, router_losses, truncated_is_weights
+from rl.algos import (ADVANTAGE_TRANSFORMS, PolicyLossInputs, PolicyLossParams, compute_policy_loss, kl_loss, router_losses,
+                      truncated_is_weights)
+
+WHITEN_SETTINGS = ("auto", True, False)
+
+
+def whitens(advantage: str, whiten_advantages: str | bool) -> bool:
+    """Whether the advantages of estimator `advantage` are whitened under setting `whiten_advantages`."""
+    if whiten_advantages == "auto" and isinstance(whiten_advantages, str):
+        return advantage == "gae"
+    if isinstance(whiten_advantages, bool):
+        return whiten_advantages
+    raise ValueError(f"whiten_advantages must be one of {WHITEN_SETTINGS}, got {whiten_advantages!r}")
+
+
+def loss_advantages(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, advantage: str, whiten_advantages: str | bool
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The advantages the loss sees: the estimator's, whitened over this (whole step) batch when `whitens`.
+    Metrics: `adv/whitened` (0/1), and when whitened the mean and std that were removed."""
+    if not whitens(advantage, whiten_advantages):
+        return advantages_BT, {"adv/whitened": 0.0}
+    out_BT, metrics = ADVANTAGE_TRANSFORMS.get("whiten")(advantages_BT, mask_BT)
+    metrics["adv/whitened"] = 1.0
+    return out_BT, metrics
 
 
 @dataclass(frozen=True)

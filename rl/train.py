@@ -30,16 +30,41 @@ def with_advantages(batch: TrainBatch, a: AlgorithmSection, values_BT: torch.Ten
                     ) -> tuple[TrainBatch, dict[str, float]]:
     """Token-level advantages from the registered estimator. Outcome estimators (grpo, dr_grpo, rloo,
     reinforce_pp) spread one return over each episode's generated tokens; `gae` combines it with the
-    critic's per-token values, and the GAE returns become the critic's regression targets."""
+    critic's per-token values, and the GAE returns become the critic's regression targets. The loss's
+    advantages are then whitened over the step batch when `algorithm.whiten_advantages` says so
+    (rl/objective.py: loss_advantages); the critic's targets keep the raw ones."""
     from rl.algos.advantages import AdvantageInputs, AdvantageParams, compute_advantages, gae_returns_BT
+    from rl.objective import loss_advantages
 
     mask = batch.loss_mask_BT > 0
     inputs = AdvantageInputs(rewards_B=batch.rewards_B, mask_BT=mask, group_ids_B=batch.group_ids_B, values_BT=values_BT)
-    adv_BT, m = compute_advantages(a.advantage, inputs, AdvantageParams(norm_std=a.advantage != "dr_grpo", gamma=a.gamma, lam=a.lam))
-    adv_BT = torch.where(mask, adv_BT, torch.zeros_like(adv_BT))
+    raw_BT, m = compute_advantages(a.advantage, inputs, AdvantageParams(norm_std=a.advantage != "dr_grpo", gamma=a.gamma, lam=a.lam))
+    raw_BT = torch.where(mask, raw_BT, torch.zeros_like(raw_BT))
+    adv_BT, wm = loss_advantages(raw_BT, mask, a.advantage, a.whiten_advantages)
+    m.update(wm)
     if values_BT is None:
         return batch.with_(advantages_BT=adv_BT), m
-    return batch.with_(advantages_BT=adv_BT, values_BT=values_BT, returns_BT=gae_returns_BT(adv_BT, values_BT, mask)), m
+    return batch.with_(advantages_BT=adv_BT, values_BT=values_BT, returns_BT=gae_returns_BT(raw_BT, values_BT, mask)), m
+
+
+def with_episode_advantages(batch: TrainBatch, a: AlgorithmSection, values_BT: torch.Tensor | None = None
+                            ) -> tuple[TrainBatch, dict[str, float]]:
+    """`with_advantages` where an episode spans several rows (segments of a compacted history): computed on
+    the per-episode layout (rl/trainer/batch.py: EpisodeView), so each episode has one reward and baseline in
+    its group and token-level estimators run across its segments, then put back on the rows."""
+    from rl.trainer.batch import EpisodeView
+
+    view = EpisodeView.of(batch)
+    if view is None:
+        return with_advantages(batch, a, values_BT)
+    first = view.first_E
+    per_episode = batch.with_(loss_mask_BT=view.to_episodes(batch.loss_mask_BT), rewards_B=batch.rewards_B[first],
+                              group_ids_B=batch.group_ids_B[first], domain_ids_B=batch.domain_ids_B[first])
+    out, m = with_advantages(per_episode, a, None if values_BT is None else view.to_episodes(values_BT))
+    rows = {"advantages_BT": view.to_rows(out.advantages_BT)}
+    if values_BT is not None:
+        rows.update(values_BT=values_BT, returns_BT=view.to_rows(out.returns_BT))
+    return batch.with_(**rows), m
 
 
 def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[RolloutGroup], dict[str, float]]:

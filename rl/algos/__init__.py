@@ -6,6 +6,7 @@ Names used by `rl.config.AlgorithmSection` resolve through the registries re-exp
 docs/algorithms.md for the formulas, their papers, and how to add an estimator or a loss.
 """
 from rl.algos.advantages import (
+    ADVANTAGE_TRANSFORMS,
     ADVANTAGES,
     AdvantageInputs,
     AdvantageParams,
@@ -18,6 +19,7 @@ from rl.algos.advantages import (
     reinforce_pp_advantages_BT,
     rloo_advantages_B,
     whiten,
+    whiten_advantages,
 )
 from rl.algos.aggregation import AGGREGATIONS, aggregate, aggregation_weights, reduce
 from rl.algos.dynamic_sampling import groups_to_sample, zero_variance_groups
@@ -29,11 +31,11 @@ from rl.algos.router import load_balance_loss, router_losses, router_z_loss
 from rl.algos.value import clipped_value_loss
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES",
+    "ADVANTAGE_TRANSFORMS", "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES",
     "AdvantageInputs", "AdvantageParams", "PolicyLossInputs", "PolicyLossParams", "Registry", "RegistryError",
     "aggregate", "aggregation_weights", "broadcast_to_tokens", "clipped_value_loss", "compute_advantages",
     "compute_policy_loss", "gae_advantages_BT", "gae_returns_BT", "groups_to_sample", "grpo_advantages_B",
     "kl_loss", "kl_per_token", "kl_reward_penalty", "load_balance_loss", "masked_is_mask",
     "outcome_to_token_rewards", "reduce", "reinforce_pp_advantages_BT", "rloo_advantages_B", "router_losses",
-    "router_z_loss", "truncated_is_weights", "whiten", "zero_variance_groups",
+    "router_z_loss", "truncated_is_weights", "whiten", "whiten_advantages", "zero_variance_groups",
 ]

@@ -3,8 +3,11 @@
 What it does: the estimators named by `AlgorithmSection.advantage` — `grpo`, `dr_grpo`, `rloo`,
 `gae`, `reinforce_pp` — as small pure functions, plus a registry (`ADVANTAGES`) whose entries all take
 the same typed inputs (`AdvantageInputs`, `AdvantageParams`) and return `(advantages_BT, metrics)`.
+A second registry (`ADVANTAGE_TRANSFORMS`) holds what may be applied to the estimator's output over
+the whole step batch before the loss: `whiten` (the `algorithm.whiten_advantages` switch).
 What it does not do: compute values (the critic's forward is the trainer's), shape rewards (the
-reward modules' job), filter zero-variance groups (see `dynamic_sampling`).
+reward modules' job), filter zero-variance groups (see `dynamic_sampling`), decide when to whiten
+(rl/objective.py reads the config switch).
 
 Groups are explicit: `group_ids_B[i]` names the task whose G samples form sample i's baseline.
 Multi-turn sequences: the time steps of the token-level estimators (`gae`, `reinforce_pp`) are the
@@ -253,6 +256,33 @@ def whiten(x_BT: Tensor, mask_BT: Tensor, eps: float = 1e-6) -> Tensor:
     mean = masked_sum(x_BT, mask) / n
     var = masked_sum((x_BT - mean) ** 2, mask) / n
     return torch.where(mask, (x_BT - mean) / (var.sqrt() + eps), torch.zeros((), dtype=x_BT.dtype, device=x_BT.device))
+
+
+AdvantageTransformFn = Callable[[Tensor, Tensor], "tuple[Tensor, Metrics]"]
+ADVANTAGE_TRANSFORMS: Registry[AdvantageTransformFn] = Registry("advantage transform")
+
+
+@ADVANTAGE_TRANSFORMS.register("whiten")
+def whiten_advantages(advantages_BT: Tensor, mask_BT: Tensor, eps: float = 1e-8) -> tuple[Tensor, Metrics]:
+    """Advantage whitening as PPO implementations apply it to GAE advantages before the loss:
+    (A - mean) / sqrt(var + eps), mean and Bessel-corrected variance over every generated token of the
+    batch, 0 off the mask (verl's `masked_whiten` with shift_mean, applied by its GAE estimator; OpenRLHF
+    and TRL's former PPOTrainer whiten GAE advantages the same way). Call it on the whole step batch,
+    never per micro-batch: the statistics are the batch's. One token (or none) has no variance: its
+    advantage becomes 0. Returns (whitened_BT, metrics with the statistics used).
+    """
+    mask = check_mask("mask_BT", mask_BT)
+    check_float("advantages_BT", check_tensor("advantages_BT", advantages_BT, 2))
+    check_same_shape(mask_BT=mask, advantages_BT=advantages_BT)
+    if not eps > 0:
+        raise ValueError(f"eps={eps} must be > 0")
+    n = mask.sum()
+    mean = masked_sum(advantages_BT, mask) / n.clamp(min=1)
+    zero = torch.zeros((), dtype=advantages_BT.dtype, device=advantages_BT.device)
+    centered_BT = torch.where(mask, advantages_BT - mean, zero)
+    var = (centered_BT * centered_BT).sum() / (n - 1).clamp(min=1)
+    out_BT = torch.where(mask, centered_BT * torch.rsqrt(var + eps), zero)
+    return out_BT, {"adv/whiten/mean": float(mean), "adv/whiten/std": float(var.sqrt())}
 
 
 def reinforce_pp_advantages_BT(

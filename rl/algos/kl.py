@@ -3,11 +3,18 @@
 What it does: the three estimators of John Schulman's note "Approximating KL Divergence" (2020),
 with log r = log pi_ref(y_t) - log pi(y_t) on tokens sampled from pi:
   k1 = -log r                 (unbiased for KL(pi || ref), high variance, can be negative)
-  k2 = (log r)^2 / 2          (biased, low variance; its gradient is that of the reverse KL, used by GRPO-style losses)
-  k3 = (r - 1) - log r        (unbiased, always >= 0, low variance; DeepSeekMath's GRPO KL term)
+  k2 = (log r)^2 / 2          (biased, low variance)
+  k3 = (r - 1) - log r        (unbiased for KL(pi || ref), always >= 0, low variance; DeepSeekMath's GRPO KL term)
 Two ways to use it: as a loss term (`kl_loss`: aggregated like the policy loss, times a coefficient),
 or folded into the reward (`kl_reward_penalty`: -coef * kl per token, detached, for `gae` /
 `reinforce_pp` / summed into an outcome reward).
+Values and gradients are different questions. Differentiated as a loss on tokens sampled from pi
+(no reweighting), the expected gradients are: k3 -> grad KL(ref || pi), the *other* direction from the
+KL its value estimates (the same holds for TRL's GRPO KL term and verl's `low_var_kl`); k2 ->
+grad KL(pi || ref); k1 -> 0 (E_pi[grad log pi] = 0: k1 only acts through the reward). Both KL
+directions vanish at pi = ref and pull pi toward ref; they weigh tokens differently (KL(ref || pi) is
+mass-covering: it punishes pi for dropping tokens ref likes). tests/rl/algos checks these by enumeration.
+The |log r| clamp (`clamp`) bounds the value and also zeroes the gradient of the tokens it clamps.
 What it does not do: run the reference model.
 """
 from __future__ import annotations

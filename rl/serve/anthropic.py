@@ -30,8 +30,8 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 from jointrl.records import Message, ToolCall
 from rl.serve.codec import ServeCodec
 from rl.serve.core import (IMAGES_REFUSED, TIERS, ApiError, ChatRequest, Choice, ServeSettings, ToolChoice,
-                           bad, base64_image, check_limits, check_model, is_int, parse_budget_value, request_image, sampling_numbers,
-                           thinking_signature)
+                           bad, base64_image, budget_fields, check_limits, check_model, is_int, merge_extra_body, parse_max_tokens, request_image,
+                           sampling_numbers, thinking_signature)
 from rl.serve.service import Finished, Prepared, TextDelta
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -237,8 +237,12 @@ def nearest_tier(budget_tokens: int, settings: ServeSettings) -> str:
 
 
 def _thinking(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | None, int | None]:
-    raw, ext = body.get("thinking"), body.get("thinking_budget")
-    from_ext = parse_budget_value(ext, "thinking_budget", settings) if ext is not None else None
+    raw = body.get("thinking")
+    ext = body.get("thinking_budget", body.get("reasoning_effort"))
+    from_ext = None
+    if body.get("thinking_budget") is not None or body.get("reasoning_effort") is not None:
+        tier, budget, _ = budget_fields(body, settings)  # the OpenAI route's own validation
+        from_ext = (tier, budget)
     if raw is None:
         return from_ext or (settings.default_tier, settings.tier_budget(settings.default_tier))
     kind = raw.get("type") if isinstance(raw, Mapping) else None
@@ -266,6 +270,7 @@ def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequ
     """Validate a decoded `/v1/messages` (or `count_tokens`) body; every problem is an ApiError naming the field."""
     if not isinstance(body, Mapping):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    body = merge_extra_body(body)
     model = check_model(body.get("model"), model_names)
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
@@ -274,8 +279,7 @@ def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequ
     if not count_only:
         if max_tokens is None:
             raise bad("max_tokens is required", "max_tokens", "missing_required_parameter")
-        if not is_int(max_tokens) or max_tokens <= 0:
-            raise bad(f"max_tokens must be an integer > 0, got {max_tokens!r}", "max_tokens")
+        parse_max_tokens(max_tokens, "max_tokens")
     check_limits(len(raw_messages), max_tokens, settings, "max_tokens")
     messages: list[Message] = []
     system = _system(body.get("system"))
@@ -298,6 +302,7 @@ def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequ
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     tier, budget = _thinking(body, settings)
+    default_budget = body.get("thinking") is None and body.get("thinking_budget") is None and body.get("reasoning_effort") is None
     temperature, top_p = sampling_numbers(body, max_temperature=1.0)
     if body.get("top_k") is not None:
         raise bad("top_k is not supported by this server", "top_k")
@@ -315,7 +320,7 @@ def parse_messages_request(body: Any, settings: ServeSettings, model_names: Sequ
         model=model, messages=tuple(messages), raw_messages=tuple(raw_messages), tools=tools, tool_choice=tool_choice,
         tier=tier, thinking_budget=budget, max_tokens=max_tokens if is_int(max_tokens) else None, temperature=float(temperature),
         top_p=float(top_p), stop=tuple(stops), stream=bool(stream), user=user if isinstance(user, str) else None,
-        metadata=dict(meta) if meta else None, protocol="anthropic", raw_system=body.get("system"),
+        metadata=dict(meta) if meta else None, protocol="anthropic", raw_system=body.get("system"), default_budget=default_budget,
     )
 
 

@@ -33,10 +33,10 @@ from rl.log import get_logger
 from rl.serve import anthropic as anth
 from rl.serve import openai as oai
 from rl.serve.codec import ServeCodec, build_codec
-from rl.serve.core import ApiError, bad
+from rl.serve.core import MAX_JSON_DEPTH, ApiError, bad, check_body_tree
 from rl.serve.records import Recorder
 from rl.serve.service import ChatService, Prepared
-from rl.serve.settings import ServeArgs, ServeError, ServeSettings
+from rl.serve.settings import ServeArgs, ServeError, ServeSettings, check_api_key
 
 log = get_logger("serve")
 
@@ -95,14 +95,15 @@ class _Gate:
     """ASGI middleware: API-key check on every HTTP route, and request counting by route and status."""
 
     def __init__(self, app: Any, api_key: str | None, service: ChatService) -> None:
-        self.app, self.key, self.service = app, api_key, service
+        self.app, self.key, self.service = app, check_api_key(api_key), service
 
     def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if self.key is None:
+            return True
         want = self.key.encode()
         for k, v in headers:
-            if k == b"x-api-key" and hmac.compare_digest(v.strip(), want):
-                return True
-            if k == b"authorization" and v[:7].lower() == b"bearer " and hmac.compare_digest(v[7:].strip(), want):
+            given = v.strip() if k == b"x-api-key" else v[7:].strip() if k == b"authorization" and v[:7].lower() == b"bearer " else b""
+            if given and hmac.compare_digest(given, want):  # an empty value never passes, whatever the key
                 return True
         return False
 
@@ -111,7 +112,9 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = scope["path"]
         route = path if path in _ROUTES else "other"
-        if self.key is not None and not self._authorised(scope["headers"]):
+        authorised = self._authorised(scope["headers"])
+        scope.setdefault("state", {})["authorised"] = authorised
+        if not authorised and path not in _OPEN_ROUTES:
             self.service.metrics.requests.labels(route, "401").inc()
             resp = _error_response(path, ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                                   type="authentication_error", code="invalid_api_key",
@@ -130,7 +133,9 @@ class _Gate:
             self.service.metrics.requests.labels(route, status[0]).inc()
 
 
-_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/models", "/health", "/metrics")
+# Answered without the key (load balancers' probes); without it they say nothing about the server's state.
+_OPEN_ROUTES = ("/health",)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -147,9 +152,13 @@ async def read_json(request: Request, limit: int) -> Any:
             raise too_big
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
-    except ValueError as e:
-        raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        body = json.loads(b"".join(chunks))
+    except ValueError as e:  # includes bytes that are not UTF-8 and integers past Python's 4,300 digits
+        raise bad(f"the request body is not valid JSON: {str(e)[:200]}", None, "invalid_json") from None
+    except RecursionError:
+        raise bad(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
+    check_body_tree(body)
+    return body
 
 
 async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
@@ -192,6 +201,7 @@ def create_app(service: ChatService, api_key: str | None = None):
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    api_key = check_api_key(api_key)  # an empty or blank key is refused here, before anything listens
     app = FastAPI(title="jointrl serve", docs_url=None, redoc_url=None)
     settings = service.settings
     tool_args = anth.ArgumentTexts(settings.token_cache_entries)
@@ -235,7 +245,9 @@ def create_app(service: ChatService, api_key: str | None = None):
             service.admission.release()
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        if not request.scope.get("state", {}).get("authorised", False):
+            return {"status": "ok"}
         load = service.engine.load() if hasattr(service.engine, "load") else None
         return {"status": "ok", "requests": service.requests, "inflight": service.inflight, "peak_inflight": service.peak_inflight,
                 "queued": service.admission.waiting, "policy_version": service.engine.policy_version,

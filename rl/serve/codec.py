@@ -99,11 +99,39 @@ class ServeCodec:
             self.reasoning_end = self.rules.reasoning[1] if self.rules and self.rules.reasoning else None
             self.tool_call_start = self.rules.tool_call_start if self.rules else None
         self.tool_call_start_id = self._one_id(self.tool_call_start) if self.tool_call_start else None
-        self._specials = tuple(sorted({s for s in codec.special_strings if len(s) > 2}, key=len, reverse=True))
+        self._specials = tuple(sorted({s for s in self._structure_strings() if len(s) > 2}, key=len, reverse=True))
         # Image input (set by build_codec): the checkpoint's image contract and the per-request limit; None / 0:
         # the server refuses images (no vision tower, another chat format, or --max-images 0).
         self.vision: Any = None
         self.max_images = 0
+
+    def _structure_strings(self) -> set[str]:
+        """Every string that would mean structure in this format, were it in client text: the codec's own
+        (turn markers), every token the tokenizer adds to its vocabulary (special or not: `<think>`,
+        `<tool_call>`, `<tool_response>`, images, ...), and the text markers the format's parsers and tool
+        presentation read (reasoning start / end, the tool call's opening and closing, Hermes's
+        `<tools>` and `<tool_response>` wrappers, which a template without a tool section writes as text)."""
+        out = set(self.codec.special_strings)
+        if self.is_project_format:
+            out.update(chat.SPECIAL_TOKENS)
+        added = getattr(self.tokenizer, "get_added_vocab", None)
+        if added is not None:
+            out.update(t for t in added() if isinstance(t, str))
+        out.update(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        if self.reasoning_markers:
+            out.update(self.reasoning_markers)
+        if self.rules is not None and self.rules.reasoning:
+            out.update(self.rules.reasoning)
+        if self.tool_call_start:
+            out.add(self.tool_call_start)
+        if self._tool_parser == HERMES_PARSER or self.is_project_format:
+            out.update(("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"))
+        return {t for t in out if isinstance(t, str) and t.strip()}
+
+    @property
+    def structure_strings(self) -> tuple[str, ...]:
+        """What `defuse` breaks in client text, longest first."""
+        return self._specials
 
     def _one_id(self, s: str) -> int | None:
         ids = self.tokenizer.encode(s, add_special_tokens=False)
@@ -123,8 +151,28 @@ class ServeCodec:
         return list(self.codec.completion_ids(list(history), message, [dict(t) for t in tools] if tools else None))
 
     def defuse(self, text: str) -> str:
-        """Client text with every special string broken up (chat.defuse: a zero-width space inside it)."""
+        """Client text with every structure string broken up (chat.defuse: a zero-width space inside it)."""
         return chat.defuse(text, self._specials) if self._specials else text
+
+    def defuse_message(self, m: Message) -> Message:
+        """A message whose every client-written text (content, reasoning, tool-call arguments) is defused.
+        Arguments stay valid JSON: structure strings only occur inside JSON strings."""
+        calls = tuple(replace(c, arguments=self.defuse(c.arguments)) for c in m.tool_calls)
+        return replace(m, content=self.defuse(m.content), reasoning=self.defuse(m.reasoning) if m.reasoning else m.reasoning,
+                       tool_calls=calls)
+
+    def defuse_tool(self, tool: Mapping[str, Any]) -> Mapping[str, Any]:
+        """A tool schema with every string in it defused (names, descriptions, enum values, property names)."""
+        def walk(v: Any) -> Any:
+            if isinstance(v, str):
+                return self.defuse(v)
+            if isinstance(v, Mapping):
+                return {walk(k): walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            return v
+
+        return walk(tool)
 
     # -- parsing
     def parse(self, token_ids: Sequence[int], turn: int, tools: Sequence[Mapping[str, Any]] | None) -> ParsedTurn:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Protocol, Sequence
 
 from jointrl.records import Message
-from rl.serve.settings import TIERS, ServeSettings
+from rl.serve.settings import EFFORTS, TIERS, ServeSettings
 
 if TYPE_CHECKING:
     from rl.serve.codec import ServeCodec
@@ -93,6 +93,64 @@ def is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+# Engine ranges. Seeds: the OpenAI API's int64; the engine gets `engine_seed`, in [0, 2**63), which torch's
+# generators and vLLM take (a seed of 2**64 once reached the engine and broke every later step).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+# Token counts a client may name (budgets, max_tokens): anything larger is no request a context can hold;
+# counts up to this are clamped to the context room, larger ones are refused before any arithmetic.
+MAX_TOKEN_COUNT = 2 ** 31 - 1
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_JSON_DEPTH = 64  # nesting of a request body: deeper bodies are refused before any code walks them
+
+
+def parse_seed(value: Any, param: str = "seed") -> int | None:
+    """A request seed: null or an integer in the OpenAI API's int64 range (a 400 otherwise)."""
+    if value is None:
+        return None
+    if not is_int(value) or not SEED_MIN <= value <= SEED_MAX:
+        raise bad(f"{param} must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {_short(value)}", param)
+    return int(value)
+
+
+def engine_seed(seed: int, phase: int, index: int) -> int:
+    """The engine's seed for one phase of one choice: distinct per (phase, choice), always in [0, 2**63)."""
+    return (seed + 1000 * phase + index) % (2 ** 63)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut short (a 4,000-digit number or a long string stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_body_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """A decoded JSON body no deeper than `max_depth` and free of lone surrogates (JSON's `\\ud800` escapes,
+    which no UTF-8 reply, tokenizer or record can carry); iterative, so no depth can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node)
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > max_depth:
+            raise bad(f"the request body nests deeper than {max_depth} levels", None, "invalid_json")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                _check_text(k)
+                stack.append((v, depth + 1))
+        else:
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad("the request body holds a string with a lone UTF-16 surrogate (not valid Unicode text)", None, "invalid_json") from None
+
+
 def sampling_numbers(body: Mapping[str, Any], max_temperature: float) -> tuple[float, float]:
     """`temperature` in [0, max_temperature] and `top_p` in (0, 1] of a request body, each 1.0 when absent
     or null (both APIs' default); a 400 naming the field otherwise. The ranges are each API's own."""
@@ -100,12 +158,12 @@ def sampling_numbers(body: Mapping[str, Any], max_temperature: float) -> tuple[f
     if temperature is None:
         temperature = 1.0
     if not is_num(temperature) or not 0 <= temperature <= max_temperature:
-        raise bad(f"temperature must be a number in [0, {max_temperature:g}], got {temperature!r}", "temperature")
+        raise bad(f"temperature must be a number in [0, {max_temperature:g}], got {_short(temperature)}", "temperature")
     top_p = body.get("top_p", 1.0)
     if top_p is None:
         top_p = 1.0
     if not is_num(top_p) or not 0 < top_p <= 1:
-        raise bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+        raise bad(f"top_p must be a number in (0, 1], got {_short(top_p)}", "top_p")
     return temperature, top_p
 
 
@@ -138,21 +196,67 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token in the reply's logprobs (0..MAX_TOP_LOGPROBS)
     user: str | None = None
     metadata: Mapping[str, Any] | None = None
     protocol: Protocol_ = "openai"
     raw_system: Any = None  # Anthropic's top-level `system`, as received
+    # True when the request named no budget (the server's default tier): thinking then leaves room for an
+    # answer (ChatService.prepare caps it at half the reply), and a format without a thinking block is not capped.
+    default_budget: bool = False
 
 
 def parse_budget_value(value: Any, param: str, settings: ServeSettings) -> tuple[str | None, int | None]:
     """A `thinking_budget` value (tier name or token count) -> (tier, tokens)."""
     if is_int(value):
-        if value < 0:
-            raise bad(f"{param} as a token count must be >= 0, got {value}", param)
+        if not 0 <= value <= MAX_TOKEN_COUNT:
+            raise bad(f"{param} as a token count must be in [0, {MAX_TOKEN_COUNT}], got {_short(value)}", param)
         return None, int(value)
-    if isinstance(value, str) and value in TIERS:
-        return value, settings.tier_budget(value)
-    raise bad(f"{param} {value!r} is not one of {list(TIERS)} (or a token count >= 0)", param)
+    if isinstance(value, str) and value in EFFORTS:
+        tier = EFFORTS[value]
+        return tier, settings.tier_budget(tier)
+    raise bad(f"{param} {_short(value)} is not one of {list(EFFORTS)} (or a token count >= 0)", param)
+
+
+def _parse_budget(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | None, int | None]:
+    tb, effort = body.get("thinking_budget"), body.get("reasoning_effort")
+    if tb is not None and effort is not None and parse_budget_value(tb, "thinking_budget", settings) != \
+            parse_budget_value(effort, "reasoning_effort", settings):
+        raise bad(f"thinking_budget {tb!r} and its alias reasoning_effort {effort!r} disagree; send one", "thinking_budget")
+    value = tb if tb is not None else effort
+    param = "thinking_budget" if tb is not None else "reasoning_effort"
+    if value is None:
+        value = settings.default_tier
+    return parse_budget_value(value, param, settings)
+
+
+def budget_fields(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | None, int | None, bool]:
+    """(tier, tokens, default) of a body's `thinking_budget` / `reasoning_effort`; default: neither was sent."""
+    tier, budget = _parse_budget(body, settings)
+    return tier, budget, body.get("thinking_budget") is None and body.get("reasoning_effort") is None
+
+
+def parse_max_tokens(value: Any, param: str) -> int | None:
+    """`max_tokens` (or an alias): null or an integer in [1, MAX_TOKEN_COUNT]; the context room clamps it later."""
+    if value is None:
+        return None
+    if not is_int(value) or not 1 <= value <= MAX_TOKEN_COUNT:
+        raise bad(f"{param} must be an integer in [1, {MAX_TOKEN_COUNT}], got {_short(value)}", param)
+    return int(value)
+
+
+def merge_extra_body(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`extra_body` as raw JSON: the SDKs send its keys at the top level, a raw-JSON client nests them. Read as
+    top-level fields; a key given both ways with different values is a 400."""
+    extra = body.get("extra_body")
+    if extra is None:
+        return body
+    if not isinstance(extra, Mapping):
+        raise bad("extra_body must be an object (its keys are read as top-level request fields)", "extra_body")
+    clash = sorted(k for k in extra if k in body and body[k] != extra[k])
+    if clash:
+        raise bad(f"extra_body sets {clash} to values other than the top-level fields of the same name; send one", "extra_body")
+    return {**{k: v for k, v in body.items() if k != "extra_body"}, **extra}
 
 
 def check_limits(req_messages: int, max_tokens: Any, settings: ServeSettings, mparam: str) -> None:

@@ -21,8 +21,9 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from jointrl.records import Message, ToolCall
 from rl.serve.codec import ServeCodec
-from rl.serve.core import (IMAGES_REFUSED, ApiError, ChatRequest, Choice, ServeSettings, ToolChoice, base64_image, request_image,
-                           TokenizerLike, bad, check_limits, check_model, is_int, parse_budget_value, sampling_numbers)
+from rl.serve.core import (IMAGES_REFUSED, MAX_TOP_LOGPROBS, ApiError, ChatRequest, Choice, ServeSettings, TokenizerLike, ToolChoice,
+                           _short, bad, base64_image, check_limits, check_model, is_int, merge_extra_body, budget_fields,
+                           parse_max_tokens, parse_seed, request_image, sampling_numbers)
 from rl.serve.service import Finished, Prepared, TextDelta
 
 def _data_url_image(part: Mapping[str, Any], where: str, codec: ServeCodec, param: str) -> bytes:
@@ -165,17 +166,6 @@ def _parse_tool_choice(raw: Any, tools: tuple[Mapping[str, Any], ...] | None) ->
     raise bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}", "tool_choice")
 
 
-def _parse_budget(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | None, int | None]:
-    tb, effort = body.get("thinking_budget"), body.get("reasoning_effort")
-    if tb is not None and effort is not None and tb != effort:
-        raise bad(f"thinking_budget {tb!r} and its alias reasoning_effort {effort!r} disagree; send one", "thinking_budget")
-    value = tb if tb is not None else effort
-    param = "thinking_budget" if tb is not None else "reasoning_effort"
-    if value is None:
-        value = settings.default_tier
-    return parse_budget_value(value, param, settings)
-
-
 def _parse_stop(raw: Any) -> tuple[str, ...]:
     if raw is None:
         return ()
@@ -187,24 +177,11 @@ def _parse_stop(raw: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _merge_extra_body(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`extra_body` as raw JSON: the openai client sends its keys at the top level, a raw-JSON client nests them."""
-    extra = body.get("extra_body")
-    if extra is None:
-        return body
-    if not isinstance(extra, Mapping):
-        raise bad("extra_body must be an object (its keys are read as top-level request fields)", "extra_body")
-    clash = sorted(k for k in extra if k in body and body[k] != extra[k])
-    if clash:
-        raise bad(f"extra_body sets {clash} to values other than the top-level fields of the same name; send one", "extra_body")
-    return {**{k: v for k, v in body.items() if k != "extra_body"}, **extra}
-
-
 def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence[str], codec: ServeCodec) -> ChatRequest:
     """Validate a decoded JSON body; every problem is an ApiError naming the field."""
     if not isinstance(body, Mapping):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
-    body = _merge_extra_body(body)
+    body = merge_extra_body(body)
     model = check_model(body.get("model"), model_names)
     raw_messages = body.get("messages")
     if raw_messages is None:
@@ -219,20 +196,16 @@ def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence
                    "message (send the conversation up to a user or tool message)", f"messages[{len(messages) - 1}].role")
     tools = _parse_tools(body.get("tools"))
     tool_choice = _parse_tool_choice(body.get("tool_choice"), tools)
-    tier, budget = _parse_budget(body, settings)
+    tier, budget, default_budget = budget_fields(body, settings)
 
     mt, mct = body.get("max_tokens"), body.get("max_completion_tokens")
     if mt is not None and mct is not None and mt != mct:
-        raise bad(f"max_tokens {mt!r} and max_completion_tokens {mct!r} disagree; send one", "max_tokens")
-    max_tokens = mct if mct is not None else mt
+        raise bad("max_tokens and max_completion_tokens disagree; send one", "max_tokens")
     mparam = "max_completion_tokens" if mct is not None else "max_tokens"
-    if max_tokens is not None and (not is_int(max_tokens) or max_tokens <= 0):
-        raise bad(f"{mparam} must be an integer > 0, got {max_tokens!r}", mparam)
+    max_tokens = parse_max_tokens(mct if mct is not None else mt, mparam)
 
     temperature, top_p = sampling_numbers(body, max_temperature=2.0)
-    seed = body.get("seed")
-    if seed is not None and not is_int(seed):
-        raise bad(f"seed must be an integer, got {seed!r}", "seed")
+    seed = parse_seed(body.get("seed"))
     n = body.get("n", 1)
     if n is None:
         n = 1
@@ -249,8 +222,12 @@ def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence
     if not isinstance(logprobs, bool) and logprobs is not None:
         raise bad(f"logprobs must be a boolean, got {logprobs!r}", "logprobs")
     top_logprobs = body.get("top_logprobs")
-    if top_logprobs not in (None, 0):
-        raise bad("top_logprobs > 0 is not supported by this server (the engine returns the sampled token's logprob only)", "top_logprobs")
+    if top_logprobs is None:
+        top_logprobs = 0
+    if not is_int(top_logprobs) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_short(top_logprobs)}", "top_logprobs")
+    if top_logprobs and not logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs and stream:
         raise bad("logprobs with stream=true is not supported by this server; use a non-streamed request", "logprobs")
 
@@ -270,8 +247,8 @@ def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence
         model=model, messages=messages, raw_messages=tuple(raw_messages), tools=tools, tool_choice=tool_choice,
         tier=tier, thinking_budget=budget, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
         seed=seed, stop=_parse_stop(body.get("stop")), n=int(n), stream=bool(stream), include_usage=include_usage,
-        logprobs=bool(logprobs), user=user if isinstance(user, str) else None,
-        metadata=metadata if isinstance(metadata, Mapping) else None,
+        logprobs=bool(logprobs), top_logprobs=int(top_logprobs), user=user if isinstance(user, str) else None,
+        metadata=metadata if isinstance(metadata, Mapping) else None, default_budget=default_budget,
     )
 
 

@@ -26,13 +26,13 @@ import asyncio
 import collections
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Literal, Protocol, Sequence
 
 from rl.log import get_logger
 from rl.serve.codec import ServeCodec
 from rl.serve.core import (ApiError, ChatRequest, Choice, Completion, PromptTokens, ServeSettings, TokenHistory, bad, encode_prompt,
-                           finish_choice, first_stop)
+                           engine_seed, finish_choice, first_stop)
 from rl.serve.records import RecordedChoice, RecordedImage, Recorder, ServeRecord
 from rl.types import TokenImage
 
@@ -218,6 +218,14 @@ class ChatService:
     # -- prompt
     def prepare(self, req: ChatRequest) -> Prepared:
         codec = self.codec
+        for t in req.tools or ():
+            name = t["function"]["name"]
+            if codec.defuse(name) != name:
+                raise bad(f"tool name {name[:80]!r} contains a structure string of the served model's chat format", "tools")
+        # Every route's client text (system, user, tool, assistant history, tool schemas) with the format's
+        # structure strings broken, here where all routes meet (the protocol parsers defuse too; it is idempotent).
+        req = replace(req, messages=tuple(codec.defuse_message(m) for m in req.messages),
+                      tools=tuple(codec.defuse_tool(t) for t in req.tools) if req.tools else req.tools)
         mode = req.tool_choice.mode
         if mode in ("required", "function") and codec.forced_call_prefix(req.tool_choice.name, False) is None:
             raise bad(f"tool_choice {mode if mode == 'required' else 'naming a function'} needs a tool-call opening the server can "
@@ -244,11 +252,17 @@ class ChatService:
         max_tokens = cap if req.max_tokens is None else min(req.max_tokens, room)
         budget = req.thinking_budget
         if codec.reasoning_markers is None:
-            # No thinking block to budget: the tier caps the whole reply (training does the same,
-            # rl/rollout/agent_loop.py); a zero budget means "no thinking", which such a model never does.
-            if budget:
+            # No thinking block to budget: a tier the request names caps the whole reply (training does the
+            # same, rl/rollout/agent_loop.py); a zero budget means "no thinking", which such a model never does,
+            # and a request that names none is not capped (the tier would only truncate its answer).
+            if budget and not req.default_budget:
                 max_tokens = min(max_tokens, budget)
             budget = None
+        elif req.default_budget and max_tokens > 1:
+            # A request that names no budget keeps room for its answer: thinking takes at most half the reply.
+            budget = max_tokens // 2 if budget is None else min(budget, max_tokens // 2)
+        if budget is not None and budget >= max_tokens:
+            budget = None  # a budget the reply cannot reach caps nothing (and the engine never sees a huge number)
         cut = codec.refused_call_marker(mode, bool(req.tools))
         watch = (cut,) if cut is not None and codec.tool_call_start_id is None else ()
         prefix = "msg_" if req.protocol == "anthropic" else "chatcmpl-"
@@ -399,7 +413,7 @@ class ChatService:
             stops = stops + (codec.tool_call_start_id,)  # (a marker of several tokens is watched in the text: prep.watch)
 
         def seed(phase: int) -> int | None:
-            return None if req.seed is None else req.seed + 1000 * phase + st.index
+            return None if req.seed is None else engine_seed(req.seed, phase, st.index)
 
         def generate(prompt: tuple[int, ...], max_tokens: int, stop_ids: tuple[int, ...], budget: int | None, phase: int) -> Any:
             return GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,

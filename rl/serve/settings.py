@@ -15,6 +15,10 @@ from rl.config import ModelSection, RolloutSection
 
 Tier = Literal["low", "high", "max"]
 TIERS: tuple[str, ...] = ("low", "high", "max")
+# Effort names a request may send (`reasoning_effort`, `thinking_budget`, Responses `reasoning.effort`) -> tier.
+# OpenAI's four efforts fold onto the three tiers: minimal and low are `low`; medium (OpenAI's default) and
+# high are `high`, this server's default tier; `max` (the project's own) has no cap.
+EFFORTS: dict[str, str] = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max"}
 API_KEY_ENV = "JOINTRL_API_KEY"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -171,7 +175,20 @@ def from_args(a: argparse.Namespace) -> ServeArgs:
             continue
         kw[f.name] = v
     settings = ServeSettings(**kw)
-    key = a.api_key if a.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
+    key = check_api_key(key, "--api-key" if a.api_key is not None else f"${API_KEY_ENV}")
     if a.host not in LOOPBACK_HOSTS and not key:
         raise ServeError(f"--host {a.host}: binding a non-loopback address needs an API key (--api-key or ${API_KEY_ENV})")
     return ServeArgs(a.model, a.host, a.port, a.record_dir, key, settings)
+
+
+def check_api_key(key: str | None, where: str = "the API key") -> str | None:
+    """A usable API key or None (no key). An empty or blank key is refused: it would make an empty
+    `x-api-key` header pass the gate. Surrounding whitespace is refused too (headers are compared stripped)."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key.strip():
+        raise ServeError(f"{where} is empty or blank; give a real key, or leave it unset for no authentication (loopback only)")
+    if key != key.strip() or any(ord(c) < 0x21 or ord(c) > 0x7E for c in key):
+        raise ServeError(f"{where} must be printable ASCII without spaces (it travels in an HTTP header)")
+    return key

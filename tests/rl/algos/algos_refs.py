@@ -260,3 +260,14 @@ def ref_z_loss(logits_LNE: torch.Tensor, mask_N: list[bool]) -> float:
                 lse = m + math.log(sum(math.exp(x - m) for x in xs))
                 vals.append(lse**2)
     return sum(vals) / len(vals)
+
+
+def ref_whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> list[list[float]]:
+    """PPO advantage whitening from the formula: over the generated tokens, (x - mean) / sqrt(var + eps),
+    var with Bessel's correction (n - 1); 0 off the mask."""
+    vals = [float(x_BT[b, t]) for b in range(x_BT.shape[0]) for t in range(x_BT.shape[1]) if bool(mask_BT[b, t])]
+    n = len(vals)
+    mean = sum(vals) / n if n else 0.0
+    var = sum((v - mean) ** 2 for v in vals) / max(n - 1, 1)
+    return [[(float(x_BT[b, t]) - mean) / math.sqrt(var + eps) if bool(mask_BT[b, t]) else 0.0
+             for t in range(x_BT.shape[1])] for b in range(x_BT.shape[0])]

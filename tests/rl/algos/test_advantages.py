@@ -195,3 +195,90 @@ def test_gae_float32_long_horizon_stays_finite():
     adv, _ = gae_advantages_BT(r, torch.zeros(2, T), mask, gamma=0.999, lam=0.95)
     assert torch.isfinite(adv).all()
     assert adv[0, -1].item() == pytest.approx(1.0) and adv[0, 0].item() == pytest.approx((0.999 * 0.95) ** (T - 1), rel=1e-3, abs=1e-30)
+
+
+# ----------------------------------------------------------------------------- algorithm.whiten_advantages
+@pytest.mark.parametrize("seed", [0, 1])
+def test_whiten_advantages_matches_the_formula_and_ignores_nan_padding(seed):
+    from rl.algos import ADVANTAGE_TRANSFORMS
+    from tests.rl.algos.algos_refs import ref_whiten
+
+    b = random_batch(seed)
+    x_BT = torch.where(b.mask_BT, b.adv_BT * 3.0 + 0.7, torch.tensor(float("nan"), dtype=torch.float64))
+    out_BT, m = ADVANTAGE_TRANSFORMS.get("whiten")(x_BT, b.mask_BT)
+    torch.testing.assert_close(out_BT, torch.tensor(ref_whiten(x_BT, b.mask_BT), dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    sel = out_BT[b.mask_BT]
+    assert abs(float(sel.mean())) < 1e-12 and float(sel.std()) == pytest.approx(1.0, rel=1e-6)
+    assert m["adv/whiten/mean"] == pytest.approx(float(x_BT[b.mask_BT].mean()))
+    assert not torch.isnan(out_BT).any() and (out_BT[~b.mask_BT] == 0).all()
+
+
+def test_whiten_advantages_degenerate_batches_give_zero_not_nan():
+    from rl.algos import whiten_advantages
+
+    one = torch.zeros(2, 3, dtype=torch.bool)
+    one[1, 2] = True
+    out, _ = whiten_advantages(torch.full((2, 3), 5.0), one)
+    assert (out == 0).all()
+    out, _ = whiten_advantages(torch.full((2, 3), 5.0), torch.zeros(2, 3, dtype=torch.bool))
+    assert (out == 0).all()
+    out, _ = whiten_advantages(torch.full((2, 3), 5.0), torch.ones(2, 3, dtype=torch.bool))  # no variance
+    assert (out == 0).all()
+
+
+def test_loss_advantages_auto_whitens_gae_only_and_true_false_force_it():
+    from rl.objective import loss_advantages, whitens
+
+    assert whitens("gae", "auto") and not any(whitens(n, "auto") for n in ("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+    assert whitens("grpo", True) and not whitens("gae", False)
+    with pytest.raises(ValueError, match="whiten_advantages must be one of"):
+        whitens("gae", "on")
+    b = random_batch(0)
+    adv = torch.where(b.mask_BT, b.adv_BT + 2.0, torch.zeros((), dtype=torch.float64))
+    kept, m = loss_advantages(adv, b.mask_BT, "grpo", "auto")
+    assert kept is adv and m == {"adv/whitened": 0.0}
+    out, m = loss_advantages(adv, b.mask_BT, "gae", "auto")
+    assert m["adv/whitened"] == 1.0 and abs(float(out[b.mask_BT].mean())) < 1e-12
+
+
+def test_config_key_is_validated_with_the_allowed_values():
+    from rl.config import ConfigError, load_config
+
+    assert load_config(None, ["algorithm.whiten_advantages=false"]).algorithm.whiten_advantages is False
+    assert load_config(None).algorithm.whiten_advantages == "auto"
+    with pytest.raises(ConfigError, match=r"'algorithm.whiten_advantages': value 'on' is not allowed; allowed values: 'auto', True, False"):
+        load_config(None, ["algorithm.whiten_advantages=on"])
+
+
+def test_driver_whitens_gae_advantages_over_the_step_batch_and_keeps_raw_critic_targets():
+    """rl/train.with_advantages on a collated batch: auto whitens gae's advantages (mean 0, std 1 over the
+    batch's generated tokens, equal to the formula applied to the definition-written GAE); the critic's
+    returns stay raw advantage + value; grpo is left as it was."""
+    from dataclasses import replace
+
+    from rl.config import AlgorithmSection
+    from rl.train import with_advantages
+    from rl.trainer.batch import collate
+    from rl.types import Episode
+    from tests.rl.algos.algos_refs import ref_whiten
+
+    eps = [Episode(task_id=f"t{i // 2}", domain="a", group_id=f"g{i // 2}", token_ids=tuple(range(11, 11 + 12 + i)),
+                   loss_mask=tuple([0] * 4 + [1] * (8 + i)), rollout_logprobs=tuple([-1.0] * (12 + i)), messages=(),
+                   reward=float(i % 3 == 0)) for i in range(6)]
+    batch = collate(eps, [0.0] * 6, domains=("a",))
+    mask = batch.loss_mask_BT > 0
+    values = torch.where(mask, torch.linspace(-0.5, 0.5, mask.numel()).reshape(mask.shape), torch.zeros(()))
+    a = AlgorithmSection(advantage="gae", gamma=0.99, lam=0.9)
+    raw = torch.tensor(ref_gae(ref_outcome_rewards(batch.rewards_B.tolist(), mask), values.tolist(), mask, a.gamma, a.lam))
+    b, m = with_advantages(batch, a, values)
+    assert m["adv/whitened"] == 1.0
+    torch.testing.assert_close(b.advantages_BT, torch.tensor(ref_whiten(raw, mask), dtype=torch.float32), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b.returns_BT, torch.where(mask, raw + values, torch.zeros(())).float(), rtol=1e-5, atol=1e-5)
+    b_off, m_off = with_advantages(batch, replace(a, whiten_advantages=False), values)
+    assert m_off["adv/whitened"] == 0.0
+    torch.testing.assert_close(b_off.advantages_BT, raw.float(), rtol=1e-5, atol=1e-5)
+    b_grpo, m_grpo = with_advantages(batch, AlgorithmSection(advantage="grpo"), None)
+    grpo_B = ref_grpo(batch.rewards_B.tolist(), batch.group_ids_B.tolist(), norm_std=True)
+    assert m_grpo["adv/whitened"] == 0.0
+    torch.testing.assert_close(b_grpo.advantages_BT, torch.where(mask, torch.tensor(grpo_B)[:, None], torch.zeros(())).float(),
+                               rtol=1e-5, atol=1e-5)

@@ -46,6 +46,10 @@ def test_equals_transformers_mixtral_when_configured_alike(seed, top_k, with_mas
     # the Switch / Megatron normalisation is HF's value divided by top_k
     ours_assign, _ = load_balance_loss(list(gate_logits), topk, attn.reshape(-1) if with_mask else None, count_per="assignment", layer_reduction="pooled")
     assert ours_assign.item() == pytest.approx(hf.item() / top_k, rel=1e-5)
+    # ...only with layer_reduction="pooled": the default "mean" averages per-layer products f_l . P_l,
+    # which is not the product of the pooled f and P once layers route differently
+    ours_mean, _ = load_balance_loss(list(gate_logits), topk, attn.reshape(-1) if with_mask else None, count_per="assignment")
+    assert abs(ours_mean.item() - hf.item() / top_k) > 1e-4
 
 
 def test_uniform_routing_gives_one_and_gradient_reaches_logits_only_through_P():

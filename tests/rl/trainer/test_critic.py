@@ -44,7 +44,7 @@ def _run(tmp: str) -> dict:
     batch = collate(eps, [0.0] * 6, domains=("a", "b"))
     w, _ = aggregation_weights("token_mean", batch.loss_mask_BT > 0)
     batch = batch.with_(loss_weights_BT=w)
-    a = AlgorithmSection(advantage="gae", gamma=0.99, lam=0.9)
+    a = AlgorithmSection(advantage="gae", gamma=0.99, lam=0.9, whiten_advantages=False)  # the raw GAE vs its reference
     worker = TrainerWorker(str(init), TrainerSpec(lr=1e-4, micro_batch_size=3, routing_replay="off"),
                            RLObjective(tis_cap=0.0, router_aux_coef=0.0), critic=CriticSpec(lr=3e-3, micro_batch_size=3))
     mask = batch.loss_mask_BT > 0
