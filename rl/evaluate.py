@@ -40,10 +40,20 @@ class EvalRow:
 def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
     """Held-out success per domain (and tier) through the runtime's engines (`rt`: rl.runtime.Runtime):
     `eval.samples` episodes per task at `eval.temperature`; writes RUN_DIR/eval_<label>.json."""
+    import time
+
+    from rl.log import progress
+
     ev = rt.cfg.eval
     n = n_per_domain or ev.n_per_domain or max(2, rt.cfg.trainer.tasks_per_step)
     plan = plan_for_run(rt).tasks if n_per_domain is None and ev.budget_episodes else None  # tasks per domain to fit the budget
     rows: list[EvalRow] = []
+    per_domain = {d: len(rt.eval_tasks[d][:plan[d] if plan is not None else n]) for d in rt.domains}
+    total = sum(per_domain.values()) * len(tiers or (None,)) * ev.samples
+    log.info("held-out evaluation %r: %d episodes over %d domain(s)", label, total, sum(1 for v in per_domain.values() if v))
+    t0 = time.perf_counter()
+    bar = progress(desc=f"eval {label}", total=total, unit="ep")
+    watched = _EpisodeCounter(rt, bar)
     for d in rt.domains:
         if plan is not None and plan[d] == 0:
             continue
@@ -53,7 +63,9 @@ def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequen
                 from dataclasses import replace
 
                 tasks = [replace(t, thinking=tier) for t in tasks]
-            groups = rt.run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
+            bar.set_postfix_str(f"{d}{f' ({tier})' if tier else ''}")
+            with watched:
+                groups = rt.run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
             eps = [e for g in groups for e in g]
             rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(tasks), samples=ev.samples,
                                 task_success=tuple(float(np.mean([e.reward >= 1.0 for e in g])) for g in groups),
@@ -61,8 +73,49 @@ def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequen
                                 reward=float(np.mean([e.reward for e in eps])) if eps else 0.0,
                                 tokens=float(np.mean([sum(e.loss_mask) for e in eps])) if eps else 0.0,
                                 turns=float(np.mean([e.num_turns for e in eps])) if eps else 0.0))
+    bar.close()
+    log.info("held-out evaluation %r: %d episodes in %.0f s", label, watched.finished, time.perf_counter() - t0)
     (rt.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
+
+
+class _EpisodeCounter:
+    """While entered, every environment the runtime makes advances `bar` by one when it closes (each episode
+    closes its environment once, however it ended), so the evaluation's bar moves per finished episode and
+    its ETA is the rate of finished episodes. Plain progress logging: it changes nothing about the episodes."""
+
+    def __init__(self, rt: Any, bar: Any) -> None:
+        self.rt, self.bar, self.finished = rt, bar, 0
+
+    def __enter__(self) -> "_EpisodeCounter":
+        make = self.rt.make_env
+        self._own = vars(self.rt).get("make_env")  # a runtime object may hold make_env as an attribute of its own
+
+        def make_env(task):
+            env = make(task)
+            close = env.close
+            seen = []
+
+            def counted_close() -> None:
+                try:
+                    close()
+                finally:
+                    if not seen:
+                        seen.append(True)
+                        self.finished += 1
+                        self.bar.update(1)
+
+            env.close = counted_close
+            return env
+
+        self.rt.make_env = make_env  # an instance attribute over the method, removed on exit
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._own is not None:
+            self.rt.make_env = self._own
+        else:
+            del self.rt.make_env
 
 
 def load_eval(run_dir: Path, label: str) -> list[EvalRow] | None:

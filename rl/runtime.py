@@ -240,6 +240,11 @@ class Runtime:
 
         write_config(self.run_dir, to_dict(cfg))  # config.json + config.sha256: what `jointrl train` resumes against
         resume = with_trainer and cfg.trainer.resume and (self.ckpt_dir / "meta.json").exists()
+        from rl.log import StartupStages
+
+        stages = StartupStages(["initial checkpoint", "task pools", "Ray", "trainer", "rollout engines"],
+                               key=f"{cfg.model.arch}|{with_trainer}|{cfg.rollout.num_workers}|{cfg.trainer.num_workers}")
+        stages.next("initial checkpoint")
         init_dir = build_initial_checkpoint(cfg.model.arch, self.run_dir / "init_model", cfg.model.seed)
         self.lora = self._plan_lora(init_dir)
         self._check_prefix_sharing(init_dir)
@@ -255,6 +260,7 @@ class Runtime:
         # Task pools: train split for RL/SFT, held-out split for evaluation. Each task is labelled with the
         # run's domain key (`envs.weights`), so a curriculum rung and its full domain (e.g. terminal-basics-v0
         # and terminal-v0, both "terminal" in their env) are sampled, logged and evaluated apart.
+        stages.next("task pools")
         self.domains = [d for d, w in cfg.envs.weights.items() if w > 0]
         self.env_ids = {d: cfg.envs.env_ids[d] for d in self.domains}
         self.train_tasks: dict[str, list[Task]] = {}
@@ -273,6 +279,7 @@ class Runtime:
                                      adaptive=cfg.envs.adaptive_weights, min_weight=cfg.envs.min_weight)
 
         # Ray: in-process here, the cluster's when RAY_ADDRESS is set (ray job submit).
+        stages.next("Ray")
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address="auto")
@@ -284,8 +291,11 @@ class Runtime:
         check_node_resources(cfg, with_trainer)
         check_gpu_resources(cfg, with_trainer)
         if with_trainer:
+            stages.next("trainer")
             self._start_trainer(init_dir, resume)
+        stages.next("rollout engines")
         self._start_rollout(serve_dir)
+        stages.done()
         self.sink = MetricsSink(self.run_dir, wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                 run_name=cfg.name, config=to_dict(cfg), layout=layout_of(cfg.logging))
         if resume:

@@ -254,9 +254,13 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
     m: dict[str, float] = {}
     t0 = time.perf_counter()
     done = start
-    bar = progress(range(start, steps) if steps is not None else iter(int, 1), desc=label, total=steps, initial=start)
+    # A step count: one tick per step. A time budget (the control arm): the bar counts its seconds, so its ETA is the
+    # budget's end and the steps done show beside it.
+    bar = progress(desc=label, total=steps, initial=start) if steps is not None else \
+        progress(desc=label, total=int(round(seconds)), unit="s")
+    ticks = range(start, steps) if steps is not None else iter(int, 1)
     with open(rt.run_dir / f"{label}_metrics.jsonl", "a", encoding="utf-8") as f:
-        for _ in bar:
+        for _ in ticks:
             if seconds is not None and time.perf_counter() - t0 >= seconds:
                 break
             chosen = rng.sample(eps, min(bs, len(eps)))
@@ -265,10 +269,12 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
             done += 1
             f.write(json.dumps({"sft_step": done - 1, **m}) + "\n")
             f.flush()  # watchable while the run goes on
-            bar.set_postfix_str(f"nll {m.get('sft/nll', float('nan')):.3f}")
+            bar.update(1 if steps is not None else min(int(time.perf_counter() - t0), bar.total) - bar.n)
+            bar.set_postfix_str(f"{'' if steps is not None else f'step {done}, '}nll {m.get('sft/nll', float('nan')):.3f}")
             if checkpoint_dir is not None and steps is not None and checkpoint_every and done % checkpoint_every == 0 \
                     and done < steps:
                 _save_sft_checkpoint(rt, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
+    bar.close()
     rt.trainer.set_lr(rt.cfg.trainer.lr)
     if checkpoint_dir is not None and steps is not None and done > start:
         _save_sft_checkpoint(rt, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)

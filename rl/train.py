@@ -192,8 +192,11 @@ def run(cfg: RunConfig, runtime=None) -> dict:
     from rl.runtime import Runtime
     from rl.sft import SFT_META, sft_warm_start
 
-    setup_logging(cfg.logging.level)
+    from rl.log import link_ray_logs
+
+    setup_logging(cfg.logging.level, cfg.resolved_run_dir())  # console at the level, RUN_DIR/logs/ at full detail
     rt = runtime or Runtime.start(cfg)
+    link_ray_logs(rt.run_dir)
     try:
         summary: dict = {}
         record = RunRecord.of(rt.env_ids, rt.train_tasks, steps=cfg.trainer.steps)  # the run's domains, families, steps
