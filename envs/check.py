@@ -7,7 +7,17 @@
   held-out       no held-out task shares `Task.private["variant"]` with a train task
   reset types    reset returns Messages and valid OpenAI function schemas
   reference      the domain's reference solution scores 1 on each checked task (no grade error)
-  do-nothing     ending the episode at once scores 0 (no grade error)
+  do-nothing     ending the episode at once, doing nothing else, scores 0 (no grade error). The episode
+                 must end by its ending tool (or an empty final reply) with no malformed call: a
+                 "do-nothing" that calls `submit` without its required arguments is an error message and
+                 a truncated episode, which scores 0 without testing anything. The domain's own `noop`
+                 is used when it has one; otherwise the checker calls the ending tool with empty values
+                 ("", 0, false, [], {}) for its required arguments.
+  best constant  for domains that take a free-text answer (an ending tool with one required string
+                 argument, or a final reply): the best mean reward on held-out tasks over a candidate set
+                 of constant answers (`CONSTANT_CANDIDATES`, the most frequent reference answers of both
+                 splits, and the domain's own `constant_candidates(tasks)`). Fails at >= CONSTANT_LIMIT
+                 unless the registry marks the domain out of the default mix (`EnvSpec.default_mix`).
   close          close() twice is fine; step() after close() does not raise
   max turns      an episode of plain-text replies is truncated after exactly max_turns, fixed reward
   wall time      an exhausted episode time budget truncates the episode and runs no tool
@@ -26,10 +36,27 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from envs.base import ToolEnv, messages_for_calls
+from envs.base import Domain, ToolEnv, ToolInvocation, messages_for_calls
 from envs.play import ScriptedPolicy, run_episode
 from envs.registry import generate_tasks, make, spec
+from envs.tools import collect_tools
 from jointrl.records import Message, Task, ToolCall
+
+# The generic constant answers every free-text domain is tried with (the issue's red team used these).
+CONSTANT_CANDIDATES = ("0", "1", "2", "-1", "10", "0.5", "yes", "no", "Yes", "No", "True", "False", "true", "false",
+                       "None", "A", "B", "[]", "{}", "yes no", "True False", "0 1", "0123456789")
+CONSTANT_LIMIT = 0.2   # a constant answer scoring this much on held-out tasks is a prior the policy can learn
+CONSTANT_TOP_K = 6     # most frequent reference answers taken from each split
+
+
+@dataclass(frozen=True)
+class ConstantBaseline:
+    """The best constant answer of a domain on its held-out tasks (`best_constant`)."""
+
+    answer: str
+    mean_reward: float
+    n_tasks: int
+    n_candidates: int
 
 
 @dataclass(frozen=True)
@@ -93,9 +120,109 @@ def _row_equal(a: list[Task], b: list[Task]) -> bool:
     return [t.to_row() for t in a] == [t.to_row() for t in b]
 
 
+def _ender(env: ToolEnv):
+    return next((s for s, _ in collect_tools(env.domain).values() if s.ends_episode), None)
+
+
+_EMPTY = {"string": "", "integer": 0, "number": 0, "boolean": False, "array": [], "object": {}}
+
+
+def _empty_value(prop: dict) -> Any:
+    t = prop.get("type")
+    if t is None and "anyOf" in prop:
+        t = next((a.get("type") for a in prop["anyOf"] if a.get("type") != "null"), None)
+    if isinstance(t, list):
+        t = next((x for x in t if x != "null"), None)
+    if "enum" in prop:
+        return prop["enum"][0]
+    return _EMPTY.get(t, "")
+
+
+def do_nothing(env: ToolEnv, task: Task) -> list[ToolInvocation] | list[Message]:
+    """The do-nothing episode: the domain's own `noop` when it defines one, else the ending tool called with
+    empty values for its required arguments; for a domain whose episode ends on a reply, an empty reply."""
+    if type(env.domain).noop is not Domain.noop:
+        invs = env.noop(task)
+        if invs or not env.domain.text_ends_episode:
+            return invs
+        return [Message(role="assistant", content="")]
+    ender = _ender(env)
+    if ender is not None:
+        props = ender.parameters.get("properties", {})
+        return [ToolInvocation(ender.name, {k: _empty_value(props.get(k, {})) for k in ender.required})]
+    return [Message(role="assistant", content="")] if env.domain.text_ends_episode else []
+
+
+def constant_episode(env: ToolEnv, text: str) -> list[ToolInvocation] | list[Message] | None:
+    """The episode that answers `text` and nothing else, or None when the domain takes no free-text answer:
+    its ending tool when that has exactly one required argument, a string; else a final reply."""
+    ender = _ender(env)
+    if ender is not None:
+        props = ender.parameters.get("properties", {})
+        if len(ender.required) == 1 and props.get(ender.required[0], {}).get("type") == "string":
+            return [ToolInvocation(ender.name, {ender.required[0]: text})]
+        return None
+    if env.domain.text_ends_episode:
+        return [Message(role="assistant", content=text)]
+    return None
+
+
+def _candidates(env: ToolEnv, train: list[Task], held: list[Task]) -> list[str]:
+    from collections import Counter
+
+    out = list(CONSTANT_CANDIDATES)
+    for tasks in (train, held):
+        refs = Counter(str(t.private["reference"]) for t in tasks if isinstance(t.private.get("reference"), str))
+        out += [a for a, _ in refs.most_common(CONSTANT_TOP_K)]
+    extra = getattr(env.domain, "constant_candidates", None)
+    if callable(extra):
+        out += [str(x) for x in extra(train + held)]
+    return list(dict.fromkeys(out))
+
+
+def best_constant(env_id: str, held: list[Task], train: list[Task] | None = None, *,
+                  env_kwargs: dict[str, Any] | None = None, screen: int = 16) -> ConstantBaseline | None:
+    """The best constant answer's mean reward over `held` (None when the domain takes no free-text answer).
+
+    Every candidate is scored on the first `screen` tasks; the three best on all of `held` (a constant that
+    is good on all tasks is good on the first few, and the screen keeps the check to seconds)."""
+    kw = dict(env_kwargs or {})
+    env0 = make(env_id, **kw)
+    try:
+        assert isinstance(env0, ToolEnv)
+        if constant_episode(env0, "0") is None or not held:
+            return None
+        cands = _candidates(env0, list(train or []), held)
+    finally:
+        env0.close()
+
+    async def mean(text: str, tasks: list[Task]) -> float:
+        total = 0.0
+        for t in tasks:
+            env = make(env_id, **kw)
+            try:
+                tr = await run_episode(env, t, ScriptedPolicy(constant_episode(env, text) or []), max_steps=4)
+            finally:
+                env.close()
+            if tr.grade.error is not None:
+                raise AssertionError(f"{t.id}: constant {text!r}: grade error: {tr.grade.error}")
+            total += tr.grade.reward
+        return total / len(tasks)
+
+    async def go() -> ConstantBaseline:
+        first = held[:screen]
+        scored = sorted([(await mean(c, first), c) for c in cands], key=lambda x: -x[0])
+        finals = [(await mean(c, held), c) if len(held) > len(first) else (m, c) for m, c in scored[:3]]
+        m, c = max(finals, key=lambda x: x[0])
+        return ConstantBaseline(c, m, len(held), len(cands))
+
+    return asyncio.run(go())
+
+
 def check_env(env_id: str, n_tasks: int = 4, seed: int = 0, n_generate: int = 64,
-              env_kwargs: dict[str, Any] | None = None) -> CheckReport:
-    """Run the conformance checks on `n_tasks` train tasks (episodes) and `n_generate` generated tasks per split."""
+              env_kwargs: dict[str, Any] | None = None, n_constant: int | None = None) -> CheckReport:
+    """Run the conformance checks on `n_tasks` train tasks (episodes) and `n_generate` generated tasks per split;
+    the best-constant check scores its candidates on `n_constant` held-out tasks (default `n_generate`)."""
     c = _Checker(env_id, dict(env_kwargs or {}))
     if not c.record("registry", lambda: (spec(env_id), c.make().close(), None)[-1]):
         return CheckReport(env_id, tuple(c.items))
@@ -124,7 +251,10 @@ def check_env(env_id: str, n_tasks: int = 4, seed: int = 0, n_generate: int = 64
 
     c.record("task types", task_types)
 
+    held: list[Task] = []
+
     def heldout() -> str:
+        nonlocal held
         held = generate_tasks(env_id, "heldout", seed, n_generate)
         missing = [t.id for t in train + held if "variant" not in t.private]
         assert not missing, f"tasks without private['variant'] (needed to verify held-out parameters): {missing[:3]}"
@@ -160,10 +290,17 @@ def check_env(env_id: str, n_tasks: int = 4, seed: int = 0, n_generate: int = 64
             got = []
             for t in tasks:
                 env0 = c.make()
-                invs = env0.reference(t) if policy_name == "reference" else env0.noop(t)
+                invs = env0.reference(t) if policy_name == "reference" else do_nothing(env0, t)
+                ends_on_reply = env0.domain.text_ends_episode
                 env0.close()
                 tr = c.episode(t, ScriptedPolicy(invs))
                 assert tr.grade.error is None, f"{t.id}: grade error: {tr.grade.error}"
+                if policy_name == "noop":
+                    bad = tr.grade.metrics.get("malformed_calls", 0)
+                    assert not bad, (f"{t.id}: the do-nothing episode made {bad:g} malformed call(s), so it tested "
+                                     "nothing: give Domain.noop valid arguments for the ending tool")
+                    if invs or ends_on_reply:
+                        assert tr.terminated, f"{t.id}: the do-nothing episode did not end (turns={tr.turns})"
                 assert abs(tr.grade.reward - want) < 1e-9, f"{t.id}: {policy_name} scored {tr.grade.reward}, expected {want}"
                 got.append(tr.grade.reward)
             return f"{len(got)} tasks scored {want:g}"
@@ -171,6 +308,22 @@ def check_env(env_id: str, n_tasks: int = 4, seed: int = 0, n_generate: int = 64
 
     c.record("reference scores 1", scores("reference", 1.0))
     c.record("do-nothing scores 0", scores("noop", 0.0))
+
+    def constant() -> str:
+        held_c = held if n_constant is None else held[:n_constant]
+        b = best_constant(env_id, held_c, train, env_kwargs=c.env_kwargs)
+        if b is None:
+            return "not applicable (the domain takes no free-text answer)"
+        s = spec(env_id)
+        line = (f"best of {b.n_candidates} constant answers: {b.answer[:40]!r} scores {b.mean_reward:.3f} "
+                f"on {b.n_tasks} held-out tasks (limit {CONSTANT_LIMIT})")
+        if b.mean_reward < CONSTANT_LIMIT:
+            return line
+        assert not s.default_mix, f"{line}; fix the domain, or mark it (default_mix=False, with its prior)"
+        return f"{line}; marked, out of the default mix: {s.note}"
+
+    if held:
+        c.record("best constant", constant)
 
     def close_twice() -> None:
         async def go():

@@ -7,6 +7,9 @@
   An entry point that fails to load is skipped, and the reason is kept (`discovery_errors()`,
   shown by `jointrl envs list`), so one broken plug-in does not take every domain down.
 - `make(env_id, **kw) -> Env` calls the factory.
+- `EnvSpec.default_mix`: False for a domain a run should name on purpose, never pick up in a generated
+  mix of every domain (scripts/many_domains_config.py): e.g. one whose best constant answer scores
+  >= 0.2 on held-out tasks (`envs.check`), with the measured prior in `EnvSpec.note`.
 - `tasks(env_id, split, seed=0, n=None) -> datasets.Dataset`: rows are `Task.to_row()` dicts;
   turn a row into a `Task` with `envs.Task.from_row(row)`. Generation is deterministic in
   (split, seed, n); the result is cached on disk under `$JOINTRL_CACHE/envs` (or `.cache/envs` in
@@ -53,6 +56,8 @@ class EnvSpec:
     task_fn: TaskFn
     description: str = ""
     source_files: tuple[Path, ...] = field(default=())  # hashed into the task-cache key
+    default_mix: bool = True  # False: left out of generated all-domain mixes (see the module docstring)
+    note: str = ""            # why it is out of the default mix (e.g. its constant-answer prior)
 
 
 class RegistryError(KeyError):
@@ -67,7 +72,7 @@ _LOCK = threading.RLock()
 
 
 def register(env_id: str, factory: Callable[..., "Env"], task_fn: TaskFn, *, description: str = "",
-             source_files: Sequence[Path] = ()) -> EnvSpec:
+             source_files: Sequence[Path] = (), default_mix: bool = True, note: str = "") -> EnvSpec:
     """Register an environment. Re-registering the same factory and task_fn is a no-op."""
     if not _ID_RE.match(env_id):
         raise ValueError(f"env id {env_id!r} must look like 'name-v0' (lowercase, versioned with -v<N>)")
@@ -77,7 +82,9 @@ def register(env_id: str, factory: Callable[..., "Env"], task_fn: TaskFn, *, des
         mod = sys.modules.get(getattr(task_fn, "__module__", ""), None)
         mod_file = getattr(mod, "__file__", None)
         source_files = sorted(Path(mod_file).parent.glob("*.py")) if mod_file else ()
-    spec = EnvSpec(env_id, factory, task_fn, description, tuple(Path(p) for p in source_files))
+    if not default_mix and not note:
+        raise ValueError(f"register({env_id!r}): a domain out of the default mix needs a note saying why")
+    spec = EnvSpec(env_id, factory, task_fn, description, tuple(Path(p) for p in source_files), default_mix, note)
     with _LOCK:
         old = _REGISTRY.get(env_id)
         if old is not None:

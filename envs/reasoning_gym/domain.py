@@ -7,18 +7,23 @@ Two answer modes over the same tasks:
   tool calls ends the episode, and the answer is the text of its last `<answer>...</answer>` pair, or
   the whole reply stripped when it has none. Only `content` is read, never `reasoning`.
 
-Grading (`check`) runs after the episode, in the framework's grading phase: it sends the answer and the
-task's item reference to the judge process (`judge.py`), which rebuilds the item from the generator and
-calls that dataset's `score_answer`. Neither the answer tool nor anything the policy can reach scores an
-answer, so no reward signal leaks into the episode. Reward = the score (reasoning-gym's scores lie in
-[0, 1]; some give partial credit). No answer, or an empty one, is 0 without asking the scorer.
+Grading (`check`) runs after the episode, in the framework's grading phase. For the datasets whose
+scorer would evaluate the answer as code, `answers.py` decides first: it scores the answer itself from a
+strict grammar (`OWN_SCORERS`: puzzle24, countdown, coin_flip), or refuses an answer outside the
+dataset's grammar with 0 (`GATES`, metric `answer_refused`). Every other answer goes with the task's item
+reference to the judge process (`judge.py`), which calls that dataset's `score_answer`. Neither the
+answer tool nor anything the policy can reach scores an answer, so no reward signal leaks into the
+episode. Reward = the score (reasoning-gym's scores lie in [0, 1]; some give partial credit). No answer,
+or an empty one, is 0 without asking the scorer.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
 from envs.base import Domain, ToolEnv, ToolInvocation
+from envs.reasoning_gym.answers import GATES, OWN_SCORERS, AnswerRefused
 from envs.reasoning_gym.judge import MAX_ANSWER_CHARS, ItemRef, Judge, shared_judge
+from envs.reasoning_gym.judge_worker import decode_entry
 from envs.tools import tool
 from jointrl.records import Message, Task
 from rewards.rubric import Rubric, Term
@@ -57,11 +62,21 @@ class _RGBase(Domain):
     def check(self, task: Task, transcript: tuple[Message, ...]) -> Mapping[str, float]:
         answer = self.given_answer(transcript)
         metrics = {"answered": 0.0, "answer_chars": float(len(answer or "")), "judge_timeout": 0.0,
-                   "judge_crash": 0.0, "scorer_error": 0.0, "answer_too_long": 0.0}
+                   "judge_crash": 0.0, "scorer_error": 0.0, "answer_too_long": 0.0, "answer_refused": 0.0}
         if answer is None or not answer.strip():
             return {"score": 0.0, **metrics}
         p = task.private
-        v = self.judge.score(ItemRef(dataset=str(p["dataset"]), seed=int(p["seed"]), size=int(p["size"]),
+        name = str(p["dataset"])
+        if (name in OWN_SCORERS or name in GATES) and len(answer) <= MAX_ANSWER_CHARS:
+            entry = decode_entry(str(p["entry"]))
+            if name in OWN_SCORERS:
+                score = float(OWN_SCORERS[name](answer, entry))
+                return {"score": min(1.0, max(0.0, score)), **metrics, "answered": 1.0}
+            try:
+                GATES[name](answer, entry)
+            except AnswerRefused:
+                return {"score": 0.0, **metrics, "answered": 1.0, "answer_refused": 1.0}
+        v = self.judge.score(ItemRef(dataset=name, seed=int(p["seed"]), size=int(p["size"]),
                                      entry_json=str(p["entry"])), answer)
         if v.outcome != "scored":
             metrics[v.outcome] = 1.0
