@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,25 @@ def _config_params(c: dict[str, Any]) -> int:
     layers = int(c.get("num_hidden_layers", 0))
     vocab = int(c.get("vocab_size", 0))
     experts = int(c.get("num_experts", c.get("num_local_experts", 0)) or 0)
-    inter = int(c.get("moe_intermediate_size", 0) if experts else c.get("intermediate_size", 0))
+    inter = int((c.get("moe_intermediate_size") if experts else None) or c.get("intermediate_size", 0))
     mlp = 3 * h * inter * max(1, experts) + 3 * h * int(c.get("shared_expert_intermediate_size", 0) or 0)
     return vocab * h * (1 if c.get("tie_word_embeddings") else 2) + layers * (4 * h * h + mlp)
+
+
+def _safetensors_params(d: Path) -> int:
+    """Parameters stored in a checkpoint directory's safetensors files, from their headers (no tensor is read)."""
+    total = 0
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                size = 1
+                for dim in v["shape"]:
+                    size *= int(dim)
+                total += size
+    return total
 
 
 def model_params(arch: str) -> int:
@@ -67,6 +84,13 @@ def model_params(arch: str) -> int:
     hub = light_hub()
     if arch in hub.names():
         return hub.get(arch).num_params
+    if Path(arch).is_dir():
+        try:
+            n = _safetensors_params(Path(arch))
+        except (OSError, ValueError, KeyError, struct.error):
+            n = 0
+        if n:
+            return n
     for p in (REPO_ROOT / "configs" / "model" / f"{arch}.json", Path(arch) / "config.json", Path(arch)):
         if p.is_file():
             try:
