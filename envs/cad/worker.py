@@ -54,8 +54,44 @@ MAX_MESSAGE_BYTES = 256 << 20
 GRADE_WORK_TIMEOUT_S = 30.0
 
 
+@dataclass(frozen=True)
+class PlainEnvelope:
+    """Files the pool grades in the worker's own process, before any other: one solid, no BSpline poles and
+    at most this many faces and edge uses. Every family's part sits well inside (4-26 faces, 20-130 edge
+    uses, no poles), and a file this small on analytic surfaces grades in ~0.01-0.1 s. Anything else is
+    "heavy": graded after every plainer file, on at most `size - 1` workers at once, in a forked child
+    with a CPU-time cap charged to the file (`CadWorkerPool`)."""
+
+    max_faces: int = 48
+    max_edges: int = 300
+
+    def admits(self, stats: brep.BrepStats) -> bool:
+        return stats.solids == 1 and stats.poles == 0 and stats.faces <= self.max_faces and stats.edges <= self.max_edges
+
+
+PLAIN = PlainEnvelope()
+# A heavy file's grade may use this much CPU time in its forked child (RLIMIT_CPU: independent of how busy the
+# machine is). The scan's caps bound a file to ~1.5 s of one idle core (docs/cad.md); past the cap the file
+# scores 0 with `reject_cost`, charged to it, and the worker stays warm.
+HEAVY_CPU_S = 10
+# ... and this much wall time (a child starved of CPU by the rest of the machine is stopped here, also as `cost`).
+HEAVY_WALL_S = 60.0
+# What the host allows a worker beyond its child's wall limit: the fork (~40 ms), reaping the child, the reply.
+FORK_MARGIN_S = 10.0
+
+
+def grade_cost(stats: brep.BrepStats) -> int:
+    """The order in which the pool serves files (lower first): edge uses and poles, plus a term for fusing
+    several solids, which grows about quadratically with their faces (brep.BrepLimits' measurements)."""
+    return stats.edges + stats.poles + (stats.faces * stats.faces // 16 if stats.solids > 1 else 0)
+
+
 class CadWorkerError(RuntimeError):
     """A worker failed (crashed, timed out, or the trusted side raised): a grading error, never a 0."""
+
+
+class CadQueueTimeout(CadWorkerError):
+    """No worker became free before the request's deadline."""
 
 
 @dataclass(frozen=True)
@@ -145,17 +181,24 @@ class _Handlers:
         return hit
 
     def grade(self, req: dict) -> dict:
-        # The reference first, outside the try: a failure there is the grader's (CadWorkerError), not the agent's.
+        # The reference first, outside the try and before any fork: a failure there is the grader's
+        # (CadWorkerError), not the agent's, and the warm process keeps the built reference.
         ref, ref_summary, ref_features = self.reference(req["ref_code"])
-        try:
-            agent = self.g.load_submission(base64.b64decode(req["brep_b64"]))
-            c = self.g.compare(agent, ref, ref_summary, ref_features)
-        except self.g.NoSolidError as e:
-            return {"valid": False, "reason": str(e), "code": e.code}
-        except Exception as e:  # noqa: BLE001 - the kernel failing on agent-made geometry: that file's fault
-            return {"valid": False, "reason": f"the kernel failed on the solid ({type(e).__name__}: {e})",
-                    "code": "kernel"}
-        return {"valid": True, "comparison": c.__dict__}
+
+        def work() -> dict:
+            try:
+                agent = self.g.load_submission(base64.b64decode(req["brep_b64"]))
+                c = self.g.compare(agent, ref, ref_summary, ref_features)
+            except self.g.NoSolidError as e:
+                return {"valid": False, "reason": str(e), "code": e.code}
+            except Exception as e:  # noqa: BLE001 - the kernel failing on agent-made geometry: that file's fault
+                return {"valid": False, "reason": f"the kernel failed on the solid ({type(e).__name__}: {e})",
+                        "code": "kernel"}
+            return {"valid": True, "comparison": c.__dict__}
+
+        if not req.get("fork"):
+            return work()
+        return forked(work, int(req["cpu_s"]), float(req["wall_s"]))
 
     def render(self, req: dict) -> dict:
         shape, summary, _ = self.reference(req["code"])
@@ -176,6 +219,53 @@ class _Handlers:
 
     def ping(self, req: dict) -> dict:
         return {"pid": os.getpid()}
+
+
+def forked(work, cpu_s: int, wall_s: float) -> dict:
+    """Run `work()` (-> a JSON-able grade reply) in a forked child of this warm worker, with RLIMIT_CPU `cpu_s`
+    and `wall_s` of wall time. The child inherits the imported kernel and the cached reference (copy on write,
+    ~40 ms for a ~500 MB worker), so an overrun or a crash ends the child, not the worker. Over either limit:
+    {"valid": False, "code": "cost"}; killed by any other signal (the kernel crashed on the file): "crash"."""
+    import resource
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, write the reply, leave without running the parent's cleanup
+        try:
+            os.close(r)
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))  # soft: SIGXCPU; hard: SIGKILL
+            data = json.dumps(work()).encode()
+            while data:
+                data = data[os.write(w, data):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    out, over = bytearray(), False
+    deadline = time.monotonic() + wall_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            ready = select.select([r], [], [], left)[0] if left > 0 else []
+            if not ready:
+                over = True
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+    if over or sig in (signal.SIGXCPU, signal.SIGKILL):
+        return {"valid": False, "code": "cost",
+                "reason": f"grading this solid took more than its {cpu_s} s of CPU time ({wall_s:.0f} s of wall time); "
+                          "a part this complex is charged its own cost: simplify it"}
+    if sig or not out:
+        return {"valid": False, "code": "crash", "reason": f"the kernel crashed on the solid (signal {sig})"}
+    return json.loads(bytes(out))
 
 
 def worker_main() -> int:
@@ -253,30 +343,54 @@ class _Worker:
                 pass
 
 
+@dataclass(order=True)
+class _Waiter:
+    cost: int
+    seq: int
+    heavy: bool = False
+
+
 class CadWorkerPool:
     """Up to `size` warm workers, started on demand; thread-safe. `close()` stops them.
 
-    Callers wait for a free worker in arrival order, each until its own deadline. A worker that dies
+    Callers wait for a free worker, each until its own deadline, served cheapest first: by the cost the
+    static scan reads from the file (`grade_cost`), then in arrival order. Files outside the plain
+    envelope (`PLAIN`) are heavy: they may hold at most `heavy_slots` workers at once (`size - 1`, at
+    least 1), so with two or more workers one is always left to plain files, and they are graded in a
+    forked child with a CPU cap (`HEAVY_CPU_S`) whose overrun is the file's own 0 (`reject_cost`), not an
+    error and not a killed worker. A plain grade therefore waits only for plainer-or-equal files and at
+    most one grade in progress per worker, whatever the other episodes submitted. A worker that dies
     or is killed is replaced by a background start, so waiting callers get the first worker that
     becomes free, whichever it is.
     """
 
     def __init__(self, size: int = 2, *, start_timeout_s: float = 180.0, as_limit_mb: int = 6144,
-                 work_timeout_s: float = GRADE_WORK_TIMEOUT_S) -> None:
+                 work_timeout_s: float = GRADE_WORK_TIMEOUT_S, plain: PlainEnvelope = PLAIN,
+                 heavy_cpu_s: int = HEAVY_CPU_S, heavy_wall_s: float = HEAVY_WALL_S) -> None:
         if size < 1:
             raise ValueError(f"CadWorkerPool size must be >= 1, got {size}")
+        if heavy_cpu_s < 1 or heavy_wall_s <= 0:
+            raise ValueError(f"CadWorkerPool heavy_cpu_s must be >= 1 and heavy_wall_s > 0, got {heavy_cpu_s}, "
+                             f"{heavy_wall_s}")
         self.size = size
         self.start_timeout_s = start_timeout_s
         self.as_limit_mb = as_limit_mb
         self.work_timeout_s = work_timeout_s
+        self.plain = plain
+        self.heavy_cpu_s = heavy_cpu_s
+        self.heavy_wall_s = heavy_wall_s
+        self.heavy_slots = max(1, size - 1)
+        self._heavy_running = 0
         self._idle: list[_Worker] = []
         self._started = 0  # workers alive or being started
         self._cond = threading.Condition()
         self._closed = False
         self._all: list[_Worker] = []
-        self._waiting: list[object] = []  # tickets of callers waiting for a worker, oldest first
+        self._waiting: list[_Waiter] = []  # callers waiting for a worker
+        self._seq = 0
         self.spawn_errors = 0
         self.requests = 0  # requests that took a worker (files refused by the scan never do)
+        self.served: list[tuple[str, int]] = []  # (op, cost) of the last requests, in the order they took a worker
 
     def _spawn(self) -> _Worker:
         """Start one worker (the caller has counted it in `_started`)."""
@@ -310,28 +424,45 @@ class CadWorkerPool:
 
         threading.Thread(target=run, name="cad-worker-start", daemon=True).start()
 
-    def _acquire(self, deadline: float) -> _Worker:
-        ticket = object()
+    def _next(self) -> _Waiter | None:
+        """The waiter to serve next: the cheapest (then oldest) that may run now (heavy ones only while a
+        heavy slot is free)."""
+        ok = [x for x in self._waiting if not x.heavy or self._heavy_running < self.heavy_slots]
+        return min(ok) if ok else None
+
+    def _acquire(self, deadline: float, cost: int = 0, heavy: bool = False) -> _Worker:
         with self._cond:
-            self._waiting.append(ticket)
+            me = _Waiter(cost, self._seq, heavy)
+            self._seq += 1
+            self._waiting.append(me)
             try:
                 while True:
                     if self._closed:
                         raise CadWorkerError("the CAD worker pool is closed")
-                    first = self._waiting[0] is ticket
-                    if first and self._idle:
-                        return self._idle.pop()
-                    if first and self._started < self.size:
+                    if self._next() is me and (self._idle or self._started < self.size):
+                        self._heavy_running += heavy
+                        if self._idle:
+                            return self._idle.pop()
                         self._started += 1
                         break
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise CadWorkerError(f"no CAD worker became free in time ({self.size} busy); grade not started")
+                        raise CadQueueTimeout(f"no CAD worker became free in time ({self.size} busy); grade not started")
                     self._cond.wait(left)
             finally:
-                self._waiting.remove(ticket)
+                self._waiting.remove(me)
                 self._cond.notify_all()
-        return self._spawn()  # outside the lock: a start takes seconds
+        try:
+            return self._spawn()  # outside the lock: a start takes seconds
+        except BaseException:
+            self._done_heavy(heavy)
+            raise
+
+    def _done_heavy(self, heavy: bool) -> None:
+        if heavy:
+            with self._cond:
+                self._heavy_running -= 1
+                self._cond.notify_all()
 
     def _release(self, w: _Worker) -> None:
         with self._cond:
@@ -349,19 +480,30 @@ class CadWorkerPool:
                 self._started += 1
             self._spawn_in_background()
 
-    def call(self, req: dict, timeout_s: float, *, work_timeout_s: float | None = None) -> dict:
-        """Send one request; `timeout_s` bounds waiting for a worker plus the work, `work_timeout_s` the work."""
+    def call(self, req: dict, timeout_s: float, *, work_timeout_s: float | None = None, cost: int = 0,
+             heavy: bool = False) -> dict:
+        """Send one request; `timeout_s` bounds waiting for a worker plus the work, `work_timeout_s` the work;
+        `cost` orders the queue (lower first), `heavy` limits the request to the heavy slots."""
         deadline = time.monotonic() + timeout_s
-        w = self._acquire(deadline)
+        w = self._acquire(deadline, cost, heavy)
         with self._cond:
             self.requests += 1
+            self.served = self.served[-255:] + [(str(req.get("op")), cost)]
         try:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CadWorkerError(f"no time left for {req.get('op')!r} after waiting {timeout_s} s for a worker")
-            reply = w.call(req, left if work_timeout_s is None else min(left, work_timeout_s))
+                raise CadQueueTimeout(f"no time left for {req.get('op')!r} after waiting {timeout_s} s for a worker")
+            if req.get("fork"):
+                # The worker stops its child at the deadline itself (the file's own `cost`), so the worker is
+                # never killed for it; the host waits that long plus a margin for the fork and the reply.
+                req = {**req, "wall_s": min(float(req["wall_s"]), max(0.1, left))}
+                limit = req["wall_s"] + FORK_MARGIN_S
+            else:
+                limit = left if work_timeout_s is None else min(left, work_timeout_s)
+            reply = w.call(req, limit)
         finally:
             self._release(w)
+            self._done_heavy(heavy)
         if not reply.get("ok"):
             raise CadWorkerError(f"CAD worker {req.get('op')!r} failed: {reply.get('error')}")
         return reply
@@ -373,11 +515,23 @@ class CadWorkerPool:
         (no worker in time, the work timeout, a crash, an inconsistent reply).
         """
         try:
-            brep.scan(brep_data)  # here, before a worker is taken: a hostile file costs the pool nothing
+            stats = brep.scan(brep_data)  # here, before a worker is taken: a hostile file costs the pool nothing
         except brep.BrepRejected as e:
             return GradeResult(valid=False, reason=str(e), code="brep")
-        r = self.call({"op": "grade", "ref_code": ref_code, "brep_b64": base64.b64encode(brep_data).decode()},
-                      timeout_s, work_timeout_s=self.work_timeout_s)
+        heavy = not self.plain.admits(stats)
+        req = {"op": "grade", "ref_code": ref_code, "brep_b64": base64.b64encode(brep_data).decode(), "fork": heavy,
+               "cpu_s": self.heavy_cpu_s, "wall_s": self.heavy_wall_s}
+        try:
+            # A heavy grade's work is bounded inside the worker (the child's limits, `call`); a worker that still
+            # overruns them by FORK_MARGIN_S is killed (a grade error, as for a plain file past its work timeout).
+            r = self.call(req, timeout_s, cost=grade_cost(stats), heavy=heavy, work_timeout_s=self.work_timeout_s)
+        except CadQueueTimeout as e:
+            if not heavy:
+                raise
+            return GradeResult(valid=False, code="cost",
+                               reason=f"this solid ({stats.faces} faces, {stats.edges} edge uses, {stats.solids} "
+                                      f"solids, {stats.poles} poles) is outside the plain envelope and was not reached "
+                                      f"in the grader's queue before its deadline ({e})")
         if not r.get("valid"):
             return GradeResult(valid=False, reason=str(r.get("reason", "")), code=str(r.get("code", "")))
         try:
@@ -397,11 +551,16 @@ class CadWorkerPool:
         """PNG of one view of the agent's BREP (scanned here first, like `grade`); ValueError naming why there is
         no picture (a rejected file, no solid); CadWorkerError when the worker could not finish."""
         try:
-            brep.scan(brep_data)
+            stats = brep.scan(brep_data)
         except brep.BrepRejected as e:
             raise ValueError(str(e)) from None
+        if not self.plain.admits(stats):  # drawing is a convenience: only plain files take a worker for it
+            raise ValueError(f"this solid is too complex to draw ({stats.solids} solids, {stats.faces} faces, "
+                             f"{stats.edges} edge uses, {stats.poles} BSpline poles; drawn: one solid of at most "
+                             f"{self.plain.max_faces} faces and {self.plain.max_edges} edge uses, no BSpline "
+                             "surfaces); submit still grades it")
         r = self.call({"op": "render_brep", "brep_b64": base64.b64encode(brep_data).decode(), "view": view, "size": size},
-                      timeout_s, work_timeout_s=self.work_timeout_s)
+                      timeout_s, work_timeout_s=self.work_timeout_s, cost=grade_cost(stats))
         if not r.get("valid"):
             raise ValueError(str(r.get("reason", "no solid")))
         return base64.b64decode(r["png_b64"])

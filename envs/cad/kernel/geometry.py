@@ -340,12 +340,20 @@ def _count(shape_wrapped, kind) -> int:
 
 
 def euler_counts(shape) -> tuple[int, int, int, int, int]:
-    """(V, E, F, L, S): distinct vertices, edges, faces; face loops; shells."""
+    """(V, E, F, L, S): distinct vertices, edges, faces; face loops; shells.
+
+    E leaves out degenerated edges (the zero-length edge OCC puts at a sphere's pole or a cone's apex to close
+    the face's parameter rectangle): it is no edge of the boundary, and counting it makes the sum odd."""
+    from OCP.BRep import BRep_Tool
     from OCP.TopAbs import TopAbs_EDGE, TopAbs_FACE, TopAbs_SHELL, TopAbs_VERTEX, TopAbs_WIRE
     from OCP.TopExp import TopExp, TopExp_Explorer
+    from OCP.TopoDS import TopoDS
     from OCP.TopTools import TopTools_IndexedMapOfShape
 
     w = shape.wrapped
+    edges = TopTools_IndexedMapOfShape()
+    TopExp.MapShapes_s(w, TopAbs_EDGE, edges)
+    n_edges = sum(not BRep_Tool.Degenerated_s(TopoDS.Edge_s(edges.FindKey(i))) for i in range(1, edges.Extent() + 1))
     faces = TopTools_IndexedMapOfShape()
     TopExp.MapShapes_s(w, TopAbs_FACE, faces)
     loops = 0
@@ -354,7 +362,7 @@ def euler_counts(shape) -> tuple[int, int, int, int, int]:
         while ex.More():
             loops += 1
             ex.Next()
-    return (_count(w, TopAbs_VERTEX), _count(w, TopAbs_EDGE), faces.Extent(), loops, _count(w, TopAbs_SHELL))
+    return (_count(w, TopAbs_VERTEX), n_edges, faces.Extent(), loops, _count(w, TopAbs_SHELL))
 
 
 def through_holes(shape) -> int:
