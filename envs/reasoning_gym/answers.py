@@ -48,7 +48,7 @@ class Arithmetic:
     numbers: tuple[int, ...]  # the integer literals, in the order written
 
 
-_TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/()]))")
+_TOKEN = re.compile(r"[ \t\n]*(?:([0-9]+)|([-+*/()]))")
 
 
 def _tokens(text: str) -> list[str]:
@@ -161,12 +161,12 @@ def score_countdown(answer: str, entry: Mapping[str, Any]) -> float:
     return 1.0 if ok else 0.05
 
 
-_NUMBER = re.compile(r"[+-]?(\d{1,30}(\.\d{0,30})?|\.\d{1,30})([eE][+-]?\d{1,3})?")
+_NUMBER = re.compile(r"[+-]?([0-9]{1,30}(\.[0-9]{0,30})?|\.[0-9]{1,30})([eE][+-]?[0-9]{1,3})?")
 
 
 def score_coin_flip(answer: str, entry: Mapping[str, Any], tol: float = 1e-4) -> float:
     """1 when the answer (a decimal, or a fraction p/q; commas ignored) is within `tol` of the oracle
-    probability, as reasoning-gym's scorer; 0 otherwise. Its partial credit for a matching prefix of the
+    probability, as reasoning-gym's scorer, and within 1% of it; 0 otherwise. Its partial credit for a matching prefix of the
     decimal expansion is dropped: `0` earns 0.9 against `0.0546875` there, on almost every question."""
     text = answer.replace(",", "").strip()
     if not text or len(text) > 80:
@@ -179,7 +179,10 @@ def score_coin_flip(answer: str, entry: Mapping[str, Any], tol: float = 1e-4) ->
         oracle = Fraction(str(entry["answer"]).replace(",", ""))
     except (ValueError, ZeroDivisionError):
         return 0.0
-    return 1.0 if abs(float(value) - float(oracle)) <= tol else 0.0
+    err = abs(value - oracle)
+    # Also within 1% of the oracle: with the absolute tolerance alone, "0" is right for every probability
+    # below 1e-4 (15 heads in 15 flips: 3.05e-05).
+    return 1.0 if err <= Fraction(tol) and err <= abs(oracle) / 100 else 0.0
 
 
 # ----------------------------------------------------------------------------- gates in front of `eval`

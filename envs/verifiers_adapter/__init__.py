@@ -26,7 +26,7 @@ def register_environment(spec: VerifiersEnvSpec) -> None:
     from envs.verifiers_adapter.tasks import task_fn
 
     reg(spec.env_id, make_env_for(spec), task_fn(spec), description=spec.description,
-        source_files=tuple(sorted(_HERE.glob("*.py"))))
+        source_files=tuple(sorted(_HERE.glob("*.py"))), default_mix=spec.default_mix, note=spec.note)
 
 
 def register() -> None:

@@ -21,7 +21,10 @@ class VerifiersEnvSpec:
     """env_id: the jointrl id (`vf-<name>-v0` by convention); target: `module:function` (a module installed in
     the verifiers venv) or `/path/to/file.py:function`, returning a verifiers Environment; kwargs: its keyword arguments; heldout_kwargs: the same loader's
     arguments for a held-out dataset, when the environment makes its held-out split that way (else its
-    `eval_dataset`, else a hash of the prompt decides); family: the sampling / dashboard group."""
+    `eval_dataset`, else a hash of the prompt decides); family: the sampling / dashboard group;
+    default_mix / note: as `envs.registry.EnvSpec` (False, with the measured prior, for an environment whose
+    best constant answer scores >= 0.2 on held-out tasks); constants: extra constant answers the
+    conformance checker's best-constant check tries on it (texts a policy could learn to always give)."""
 
     env_id: str
     target: str
@@ -30,6 +33,9 @@ class VerifiersEnvSpec:
     # Left out of the hash (a dict has none), kept in ==: specs are cache keys for their tasks and classes.
     kwargs: Mapping[str, Any] = field(default_factory=dict, hash=False)
     heldout_kwargs: Mapping[str, Any] | None = field(default=None, hash=False)
+    default_mix: bool = True
+    note: str = ""
+    constants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]*-v\d+", self.env_id):
@@ -42,11 +48,27 @@ class VerifiersEnvSpec:
         return LoaderRef(self.target, json.dumps(dict(kw), sort_keys=True))
 
 
+# Constant poems a policy could settle on: one 5-line text without e, a or o (the lipogram's letters), a
+# haiku and a limerick-shaped verse. Measured with `jointrl envs check` (docs/envs.md, "verifiers").
+POEM_WITHOUT_EAO = ("Still nights find us\nWithin birch husks, dry light,\nQuilting, lifting mist,\n"
+                    "Winds sing until dusk;\nSpring thrills its slim thin string.")
+HAIKU = "Old pond in the rain\nA frog leaps into the dark\nThe water answers"
+LIMERICK = ("There once was a cat from the coast\nWho liked his warm butter on toast\nHe ate it with cream\n"
+            "While lost in a dream\nAnd that is the thing he loved most")
+POEM_CONSTANTS = (POEM_WITHOUT_EAO, HAIKU, LIMERICK)
+
 SHIPPED: tuple[VerifiersEnvSpec, ...] = (
     VerifiersEnvSpec("vf-constraint-gym-v0", "stardata.envs.constraint_gym:load_environment", family="verifiers-poetry",
                      description="verifiers: staros-stardata constraint gym (haiku, limerick, sonnet, villanelle, "
-                                 "acrostic, lipogram, univocalic, palindrome, snowball), prosody / Oulipo rubric"),
+                                 "acrostic, lipogram, univocalic, palindrome, snowball), prosody / Oulipo rubric",
+                     constants=POEM_CONSTANTS, default_mix=False,
+                     note="constant-answer prior 0.306: the text 'True False' scores 0.306 on the 7 held-out prompts "
+                          "(the composite rubric gives partial credit to any short text)"),
+    # The rubric checks the forbidden letter and the poem's shape, never its theme, and the letter is always
+    # e, a or o: one fixed poem without those three letters solves every prompt.
     VerifiersEnvSpec("vf-lipogram-v0", "stardata.envs.constraint_gym:load_lipogram_env", family="verifiers-poetry",
                      description="verifiers: staros-stardata lipogram poems (forbidden e / a / o), hardened reward",
-                     heldout_kwargs={"holdout": True}),
+                     heldout_kwargs={"holdout": True}, constants=POEM_CONSTANTS, default_mix=False,
+                     note="constant-answer prior 1.000: one fixed poem without e, a, o scores 1 on all 30 held-out "
+                          "prompts (the theme is never checked)"),
 )

@@ -153,6 +153,11 @@ class VerifiersDomain(Domain):
             d = m.to_openai()
             d.pop("reasoning_content", None)  # the rubric grades what the model said, not its thinking
             completion.append(d)
+        said = [m for m in transcript[len(task.prompt):] if m.role == "assistant"]
+        if not any(m.content.strip() or m.tool_calls for m in said):
+            # Nothing said is nothing done: 0 on every term, without asking the rubric (stardata's gives an
+            # empty poem its `surface` share, 0.15).
+            return {t.name: 0.0 for t in self.rubric.terms}
         p = task.private
         reply = shared_bridge(self.spec.loader()).request(
             {"op": "score", "prompt": json.loads(p["prompt"]), "completion": completion, "answer": json.loads(p["answer"]),
@@ -163,7 +168,11 @@ class VerifiersDomain(Domain):
         raise EnvUsageError(f"{self.spec.env_id}: verifiers environments ship no reference solution")
 
     def noop(self, task: Task) -> list[ToolInvocation]:
-        return []  # an empty final reply
+        return []  # the checker answers with an empty final reply (envs.check.do_nothing)
+
+    def constant_candidates(self, tasks: list[Task]) -> list[str]:
+        """Constant replies the conformance checker's best-constant check tries (the spec's `constants`)."""
+        return list(self.spec.constants)
 
 
 def _tool_method(name: str, spec: ToolSpec):
