@@ -271,6 +271,7 @@ class Runtime:
             ds_eval = envs.tasks(self.env_ids[d], "heldout", seed=cfg.envs.seed)
             self.train_tasks[d] = [self._with_defaults(Task.from_row(r), tier, d) for r in ds_train]
             self.eval_tasks[d] = [self._with_defaults(Task.from_row(r), tier, d) for r in ds_eval]
+        self._check_sandboxes()  # a domain whose sandbox cannot start here is refused now, saying what to change
         if with_trainer and cfg.trainer.sft_data:
             from rl.sft import run_demonstrations
 
@@ -356,6 +357,19 @@ class Runtime:
                                      resources={marker: NODE_RESOURCE_UNIT} if marker else None)
         self.rollout_engine = RolloutDispatcher(lambda: Actor.remote(ecfg, env), cfg.rollout.num_workers)
         log.info("rollout workers ready: %s", self.rollout_engine.health())
+
+    def _check_sandboxes(self) -> None:
+        """Make one environment of each domain: a domain that needs a sandbox builds its backend then, which raises
+        `SandboxUnavailable` (with what to change, e.g. no root and no user namespaces) before anything starts."""
+        from envs.sandbox.base import SandboxUnavailable
+
+        for d in self.domains:
+            try:
+                env = self.make_env(self.train_tasks[d][0]) if self.train_tasks[d] else None
+            except SandboxUnavailable as e:
+                raise ConfigError(f"domain {d!r} ({self.env_ids[d]}) needs a sandbox, and none can start here: {e}") from None
+            if env is not None:
+                env.close()
 
     def _check_prefix_sharing(self, init_dir: Path) -> None:
         """trainer.prefix_sharing='on' with a model whose attention cannot take a tree mask: a ConfigError

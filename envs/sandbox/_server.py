@@ -96,6 +96,13 @@ def _reap_all():
 
 def main():
     ctl = _socket.socket(fileno=int(sys.argv[1]))
+    if len(sys.argv) > 2:
+        # Rootless sandboxes: the process limit is set here, inside the sandbox's user namespace, where the
+        # kernel counts only this namespace's processes (on the host it would count every process of the user).
+        import resource
+
+        n = int(sys.argv[2])
+        resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
     # Not dumpable: the agent (same uid) cannot open /proc/1/mem or /proc/1/fd to tamper with us.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     # As pid 1 of the namespace, signals with the default action sent from inside are dropped by

@@ -34,9 +34,11 @@ What one sandbox (`BwrapBackend.open`) gives, and how:
   code into `/work`, and the agent's regular files copied in as data (no symlinks, no devices,
   root-owned, read-only) at `/agent`. The agent's sandbox is killed first.
 
-What it does not do: it is not a VM: a kernel exploit beats it. It needs root on the host (to
-mount tmpfs, switch uids and write cgroups); without root, or if the kernel refuses namespaces,
-`BwrapBackend()` / `open()` raise `SandboxUnavailable`: we never run a command unsandboxed.
+What it does not do: it is not a VM: a kernel exploit beats it. This backend needs root on the host (to
+mount tmpfs, switch uids and write cgroups); without root, `BwrapBackend()` returns the rootless backend
+(`rootless.py`: the same namespaces, seccomp and rlimits in a user namespace per sandbox, and it says which
+root-only limits are absent), which refuses, saying what to change, where unprivileged user namespaces are
+off. If the kernel refuses namespaces, `open()` raises `SandboxUnavailable`: we never run a command unsandboxed.
 `network=True` is refused. Time limits are wall-clock per command plus RLIMIT_CPU per process;
 there is no CPU share control. `/tmp` is scratch: it is lost when a timeout kills the namespace.
 """
@@ -199,8 +201,35 @@ def _validate_mount(m: Mount) -> tuple[str, str]:
     return str(host.resolve()), inside
 
 
+def sandbox_report() -> str:
+    """What sandbox this process would get, in one paragraph (`jointrl train --dry-run` prints it); raises
+    SandboxUnavailable, saying what to change, where there would be none. Starts no sandbox as root; without
+    root it runs one `bwrap ... true` to see whether user namespaces work."""
+    if os.geteuid() == 0:
+        cfg = BwrapConfig()
+        if not os.access(cfg.bwrap, os.X_OK):
+            raise SandboxUnavailable(f"bubblewrap not found at {cfg.bwrap} (apt-get install bubblewrap)")
+        return "root: bubblewrap with a uid, a size-limited tmpfs /work and a memory/pids cgroup per sandbox"
+    from envs.sandbox.rootless import ROOTLESS_LIMITS, USERNS_HELP, userns_problem
+
+    problem = userns_problem()
+    if problem:
+        raise SandboxUnavailable(f"not root, and {problem}: the terminal, SWE and CAD domains cannot run; {USERNS_HELP}")
+    return ROOTLESS_LIMITS
+
+
 class BwrapBackend(SandboxBackend):
-    """Opens `BwrapSandbox`es. Construct once per process; cheap to keep around."""
+    """Opens `BwrapSandbox`es. Construct once per process; cheap to keep around. Constructed by a process that
+    is not root, it is a `rootless.RootlessBwrapBackend`."""
+
+    sandbox_cls: type = None  # BwrapSandbox (set below the class); the rootless backend opens its own kind
+
+    def __new__(cls, *args, **kwargs):
+        if cls is BwrapBackend and os.geteuid() != 0:
+            from envs.sandbox.rootless import RootlessBwrapBackend
+
+            return super().__new__(RootlessBwrapBackend)
+        return super().__new__(cls)
 
     def __init__(self, config: BwrapConfig = BwrapConfig()) -> None:
         self.config = config
@@ -283,7 +312,7 @@ class BwrapBackend(SandboxBackend):
         slot = self._slots.acquire()
         box: BwrapSandbox | None = None
         try:
-            box = BwrapSandbox(self, slot, limits, binds, agent_inside=agent_inside, pristine=pristine, usr=usr)
+            box = self.sandbox_cls(self, slot, limits, binds, agent_inside=agent_inside, pristine=pristine, usr=usr)
             if populate is not None:
                 populate(box)
             for rel, data in (files or {}).items():
@@ -833,3 +862,6 @@ class BwrapSandbox(Sandbox):
 
     def __repr__(self) -> str:
         return f"BwrapSandbox(uid={self.uid}, pristine={self.pristine}, closed={self._closed})"
+
+
+BwrapBackend.sandbox_cls = BwrapSandbox
