@@ -25,6 +25,8 @@ routing state is buffers).
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,18 @@ class ImagePatchEmbed(nn.Module):
         return self.proj(x.reshape(n * (h // p) * (w // p), c * p * p).to(self.proj.weight.dtype))  # [patches, D]
 
 
+_RECOMPUTE = threading.local()  # set while activation checkpointing re-runs a layer's forward in the backward
+
+
+@contextmanager
+def _recomputing():
+    _RECOMPUTE.active = True
+    try:
+        yield
+    finally:
+        _RECOMPUTE.active = False
+
+
 class HybridMoeDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: HybridMoeConfig, layer_idx: int) -> None:
         super().__init__()
@@ -100,7 +114,12 @@ class HybridMoeDecoderLayer(GradientCheckpointingLayer):
         record = None
         if isinstance(self.mlp, SparseMoeBlock):
             token_mask = None if key_padding_BS is None else key_padding_BS[:, -T:].reshape(-1)
-            x, record = self.mlp(x, replay_idx_NK, token_mask)
+            if getattr(_RECOMPUTE, "active", False):  # the forward already counted these tokens' expert load
+                load_E = self.mlp.gate.load_accum.clone()
+                x, record = self.mlp(x, replay_idx_NK, token_mask)
+                self.mlp.gate.load_accum.copy_(load_E)
+            else:
+                x, record = self.mlp(x, replay_idx_NK, token_mask)
         else:
             x = self.mlp(x)
         return hidden_BTD + x, record, idx_loss
@@ -117,6 +136,13 @@ class HybridMoePreTrainedModel(PreTrainedModel):
     _is_stateful = True  # delta layers carry recurrent state: no cache cropping / assisted decoding
     _supports_sdpa = False
     _keys_to_ignore_on_load_missing = [r"load_accum"]
+
+    @staticmethod
+    def recompute_context():
+        """`torch.utils.checkpoint`'s `context_fn` for the decoder layers: the (forward, recompute) contexts.
+        A layer re-run by activation checkpointing must not add its tokens to the expert-load counter that
+        the aux-loss-free bias step reads a second time (rl/trainer/checkpointing.py passes this)."""
+        return nullcontext(), _recomputing()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

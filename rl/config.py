@@ -224,6 +224,19 @@ class TrainerSection:
     # torch intra-op threads of each trainer rank. In sync mode on a CPU machine the engines idle while the
     # trainer works, so the trainer may take every core (docs/training.md, "Knobs on 2 cores").
     threads_per_rank: int = 1
+    # Long sequences (docs/training.md, "Long sequences"). Per-token logprobs from the LM head in tiles of this
+    # many tokens, each recomputed in the backward (rl/trainer/tiled.py): memory stays one tile's logits at any
+    # length; 0 = the model's full logits.
+    logprob_tile_tokens: int = 1024
+    # Decoder layers keep only their inputs and re-run in the backward (rl/trainer/checkpointing.py), policy and
+    # critic. auto: only micro-batches whose estimated activations pass 4 GiB (short sequences keep their speed).
+    activation_checkpointing: Literal["off", "on", "auto"] = "auto"
+    # > 0: micro-batches hold as many rows as fit this many padded tokens (rows x longest row; a longer row runs
+    # alone), whatever trainer.micro_batch_size says; 0 = trainer.micro_batch_size rows each.
+    max_tokens_per_micro_batch: int = 0
+    # Ulysses sequence parallelism over N trainer ranks: only 1 is accepted (not implemented in jointrl's
+    # trainer; docs/training.md, "Long sequences", says what it needs).
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -523,9 +536,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'envs.dump_temperature': value {cfg.envs.dump_temperature} must be > 0")
     for k, v in {"eval.n_per_domain": cfg.eval.n_per_domain, "trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
                  "trainer.frozen_layers": cfg.trainer.frozen_layers,
+                 "trainer.logprob_tile_tokens": cfg.trainer.logprob_tile_tokens,
+                 "trainer.max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
                  "eval.temperature": cfg.eval.temperature}.items():
         if v < 0:
             raise ConfigError(f"config key '{k}': value {v} must be >= 0")
+    if cfg.trainer.sequence_parallel_size != 1:
+        raise ConfigError(f"config key 'trainer.sequence_parallel_size': value {cfg.trainer.sequence_parallel_size} is not "
+                          "allowed; allowed values: 1 (Ulysses sequence parallelism is not implemented in jointrl's trainer; "
+                          "for long episodes use trainer.activation_checkpointing, trainer.logprob_tile_tokens and "
+                          "trainer.max_tokens_per_micro_batch, docs/training.md 'Long sequences')")
     if cfg.trainer.sft_data and not Path(cfg.trainer.sft_data).is_file():
         raise ConfigError(f"config key 'trainer.sft_data': {cfg.trainer.sft_data!r} is not a file (a JSONL of "
                           "demonstrations, rl/sft.py; \"\" = the domains' reference solutions)")

@@ -326,13 +326,17 @@ class Runtime:
                            grad_clip=cfg.trainer.grad_clip, warmup_steps=cfg.trainer.warmup_steps,
                            micro_batch_size=cfg.trainer.micro_batch_size, dtype=cfg.model.dtype, seed=cfg.model.seed,
                            routing_replay=cfg.model.routing_replay, freeze_router_bias=cfg.model.freeze_router_bias,
-                           frozen_layers=cfg.trainer.frozen_layers, prefix_sharing=cfg.trainer.prefix_sharing, **({"lora": self.lora.spec} if self.lora is not None else {}))
+                           frozen_layers=cfg.trainer.frozen_layers, prefix_sharing=cfg.trainer.prefix_sharing,
+                           logprob_tile_tokens=cfg.trainer.logprob_tile_tokens,
+                           activation_checkpointing=cfg.trainer.activation_checkpointing,
+                           max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, **({"lora": self.lora.spec} if self.lora is not None else {}))
         cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
         cache_env["JOINTRL_TRAINER_THREADS"] = str(cfg.trainer.threads_per_rank)  # read by rl/trainer/actor.py
         t = cfg.trainer
         critic = CriticSpec(lr=t.critic_lr, value_clip=a.value_clip, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                             zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size, dtype=cfg.model.dtype,
-                            prefix_sharing=t.prefix_sharing) \
+                            prefix_sharing=t.prefix_sharing, activation_checkpointing=t.activation_checkpointing,
+                            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch) \
             if self.has_critic else None
         self.trainer = TrainerGroup.start(str(init_dir), spec, self.objective, num_ranks=t.num_workers,
                                           resources=TrainerResources(num_cpus=t.cpus_per_rank, num_gpus=t.gpus_per_rank,

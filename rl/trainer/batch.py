@@ -82,16 +82,44 @@ class TrainBatch:
 _SCALARS = ("domains", "step_tokens", "step_seqs", "step_loss_tokens", "routes_from")
 
 
-def micro_rows(batch: TrainBatch, size: int) -> list[list[int]]:
-    """Row indices of each micro-batch of `size`: groups ordered by their longest row (longest first,
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a batch is cut into micro-batches: `rows` per micro-batch, or, with `tokens` > 0
+    (`trainer.max_tokens_per_micro_batch`), as many rows as fit `tokens` padded positions (rows x the
+    micro-batch's longest row; a row longer than the budget runs alone), whatever their number."""
+
+    rows: int
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rows < 1:
+            raise ValueError(f"micro-batching: rows={self.rows} must be >= 1")
+        if self.tokens < 0:
+            raise ValueError(f"micro-batching: tokens={self.tokens} must be >= 0 (0: by rows)")
+
+
+def _plan(size: "int | MicroBatching") -> MicroBatching:
+    return size if isinstance(size, MicroBatching) else MicroBatching(int(size))
+
+
+def micro_rows(batch: TrainBatch, size: "int | MicroBatching") -> list[list[int]]:
+    """Row indices of each micro-batch of `size` (rows, or a `MicroBatching` token budget): groups
+    ordered by their longest row (longest first,
     ties in order of first appearance), a group's rows together and longest first. A micro-batch then
     holds sequences of similar length, so `micro_batches` can cut it to its own longest row: with batch
     order, one long episode (a retry after a malformed call) pads every micro-batch it lands in to its
     length, and compute and activation memory scale with the padded width, not the real tokens. Rows of
     a group share their prompt, and kept together the packed forward computes it once (rl/trainer/packing.py).
-    With one row per group this is plain longest-first order."""
-    if size < 1:
-        raise ValueError(f"micro_rows: size={size} must be >= 1")
+    With one row per group this is plain longest-first order.
+
+    With a token budget the rows go longest first whatever their group, and the cut is greedy in that
+    order: a micro-batch closes when one more row would take it past the budget (its width is its first
+    row's). Whether a row joins depends only on the micro-batch's row count and first row, and a rank's
+    shard keeps the step's order, so the shard of whole micro-batches `split_micro_batches` deals is cut
+    back into exactly those micro-batches. (Ordered by group, a shard holding part of a group would sort
+    that group by a shorter longest row.) Rows of a group of similar lengths still sit together and pack;
+    a group of very different lengths may pack in pieces."""
+    plan = _plan(size)
     lengths = batch.attention_mask_BT.sum(dim=1).tolist()
     groups = batch.group_ids_B.tolist()
     longest: dict[int, int] = {}
@@ -100,10 +128,18 @@ def micro_rows(batch: TrainBatch, size: int) -> list[list[int]]:
         longest[g] = max(longest.get(g, 0), int(n))
         first.setdefault(g, i)
     order = sorted(range(batch.num_seqs), key=lambda i: (-longest[groups[i]], first[groups[i]], -lengths[i], i))
-    return [order[s:s + size] for s in range(0, len(order), size)]
+    if not plan.tokens:
+        return [order[s:s + plan.rows] for s in range(0, len(order), plan.rows)]
+    out: list[list[int]] = []
+    for i in sorted(order, key=lambda i: -lengths[i]):  # stable: a group's equal-length rows stay adjacent
+        if out and (len(out[-1]) + 1) * max(int(lengths[out[-1][0]]), 1) <= plan.tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
-def micro_batches(batch: TrainBatch, size: int, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
+def micro_batches(batch: TrainBatch, size: "int | MicroBatching", n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
     """`batch` in micro-batches of `size` rows grouped by length (`micro_rows`), each cut to the width
     of its longest row (padding is on the right, so only all-padding columns go), then padding
     micro-batches (its first row, flagged True) up to `n_micro`. Under ZeRO-3 every forward and
@@ -117,7 +153,7 @@ def micro_batches(batch: TrainBatch, size: int, n_micro: int = 0, pad_only: bool
     return out
 
 
-def stitch_rows(parts: Sequence[torch.Tensor], batch: TrainBatch, size: int, fill: float = 0.0) -> torch.Tensor:
+def stitch_rows(parts: Sequence[torch.Tensor], batch: TrainBatch, size: "int | MicroBatching", fill: float = 0.0) -> torch.Tensor:
     """Per-row results of the real micro-batches of `micro_batches(batch, size)` (each [b, t, ...] with
     t <= T), back in batch order as one [B, T, ...] tensor; columns a micro-batch was cut off get `fill`."""
     rows = micro_rows(batch, size)
@@ -130,7 +166,7 @@ def stitch_rows(parts: Sequence[torch.Tensor], batch: TrainBatch, size: int, fil
     return out
 
 
-def split_micro_batches(batch: TrainBatch, n: int, size: int) -> list[list[int]]:
+def split_micro_batches(batch: TrainBatch, n: int, size: "int | MicroBatching") -> list[list[int]]:
     """Row indices for `n` ranks: whole micro-batches of `micro_rows(batch, size)`, each to the rank with
     the fewest real tokens so far, the largest first (LPT scheduling). A rank's rows keep the step's
     length order, so `micro_rows` on its shard rebuilds exactly the micro-batches it was given: every

@@ -35,9 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from rl.trainer.batch import TrainBatch, image_inputs, micro_batches, stitch_rows
-from rl.trainer.packing import PrefixPack, packed_values
-from rl.trainer.policy import deepspeed_config, load_policy, pack_micro_batch, packing_enabled
+from rl.trainer import checkpointing
+from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, micro_batches, stitch_rows
+from rl.trainer.engine import deepspeed_config, load_policy
+from rl.trainer.packing import PrefixPack, pack_micro_batch, packed_values, packing_enabled
+from rl.trainer.tiled import head_inputs
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,12 @@ class CriticSpec:
     micro_batch_size: int = 4
     dtype: str = "float32"
     prefix_sharing: str = "auto"  # auto | on | off, as the policy's (rl/trainer/packing.py)
+    activation_checkpointing: str = "auto"  # off | on | auto, as the policy's (rl/trainer/checkpointing.py)
+    max_tokens_per_micro_batch: int = 0  # as the policy's (rl/trainer/batch.py MicroBatching)
+
+    @property
+    def micro(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_tokens_per_micro_batch)
 
 
 class ValueModel(nn.Module):
@@ -67,15 +75,19 @@ class ValueModel(nn.Module):
                 **image_kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(values [B, T] aligned to targets, a zero-valued term that ties the unused LM head into the graph).
         `pack`: the rows as token trees (`pack_prefixes`), run instead of the padded rows.
-        `image_kw`: `pixel_values` and `image_mask` for a batch with images (`image_inputs`), else nothing."""
+        `image_kw`: `pixel_values` and `image_mask` for a batch with images (`image_inputs`), else nothing.
+        The final hidden states are taken at the LM head's input (`head_inputs`, which cuts the LM head to one
+        position): the model keeps no list of every layer's hidden states, as `output_hidden_states` would."""
+        with head_inputs(self.lm) as (_, seen):
+            if pack is not None:
+                out = self.lm(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
+                              position_ids=pack.position_ids_PN)
+            else:
+                out = self.lm(input_ids=input_ids, attention_mask=attention_mask, **image_kw)
         if pack is not None:
-            out = self.lm(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
-                          position_ids=pack.position_ids_PN, output_hidden_states=True, logits_to_keep=1)
-            v_PN = self.head(out.hidden_states[-1].to(self.head.weight.dtype)).squeeze(-1).float()
+            v_PN = self.head(seen[0].to(self.head.weight.dtype)).squeeze(-1).float()
             return packed_values(v_PN, pack), out.logits.float().sum() * 0.0
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
-                      **image_kw)
-        h_BTD = out.hidden_states[-1]
+        h_BTD = seen[0]
         v_BT = self.head(h_BTD.to(self.head.weight.dtype)).squeeze(-1).float()
         values_BT = torch.zeros_like(v_BT)
         values_BT[:, 1:] = v_BT[:, :-1]  # V(s_t) from the state after tokens < t
@@ -101,6 +113,7 @@ class CriticTrainer:
         self.world_size = world_size
         module = ValueModel(load_policy(model_dir, spec.dtype))
         self.packs = packing_enabled(spec.prefix_sharing, module.lm.config, "critic")
+        self.checkpoints = checkpointing.prepare(module.lm, spec.activation_checkpointing, "critic")
         optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=spec.lr,
                                       weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -110,11 +123,15 @@ class CriticTrainer:
         return image_inputs(mb, self.engine.module.lm.config, "critic's model")
 
     def _micro_batches(self, batch: TrainBatch, n_micro: int, pad_only: bool) -> list[tuple[TrainBatch, bool]]:
-        return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)
+        return micro_batches(batch, self.spec.micro, n_micro, pad_only)
 
     def _values(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The critic's forward on one micro-batch, packed where the model and the batch allow it."""
-        pack = pack_micro_batch(mb, self.engine.module.lm.config) if self.packs else None
+        lm = self.engine.module.lm
+        pack = pack_micro_batch(mb, lm.config) if self.packs else None
+        if self.checkpoints:
+            n = pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel()
+            checkpointing.set_active(lm, checkpointing.wanted(self.spec.activation_checkpointing, n, lm.config))
         if pack is not None:
             return self.engine(mb.input_ids_BT, mb.attention_mask_BT, pack=pack)
         return self.engine(mb.input_ids_BT, mb.attention_mask_BT, **self._image_inputs(mb))
@@ -128,7 +145,7 @@ class CriticTrainer:
             if not padding:
                 out.append(v * (mb.loss_mask_BT > 0))
         self.engine.train()
-        return stitch_rows(out, batch, self.spec.micro_batch_size) if out else batch.loss_mask_BT[:0].clone()
+        return stitch_rows(out, batch, self.spec.micro) if out else batch.loss_mask_BT[:0].clone()
 
     def value_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
         """One optimizer step on the clipped value loss (Andrychowicz et al. 2021's PPO2 form)."""

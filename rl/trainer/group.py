@@ -19,13 +19,13 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rl.trainer.batch import TrainBatch, micro_rows, split_micro_batches
+from rl.trainer.batch import MicroBatching, TrainBatch, micro_rows, split_micro_batches
 
 # How per-rank metrics combine into the step's: summed, the slowest rank's, or rank 0's (equal on
 # every rank); anything else is a mean weighted by each rank's share of the step's sequences.
 _SUMMED = ("train/tokens", "train/forward_tokens", "train/micro_batches", "train/seqs", "value/loss")
 _SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s", "value/step_s",
-            "train/rss_gb")  # the largest rank's resident memory: the one Ray's OOM monitor would take first
+            "train/rss_gb", "train/peak_rss_gb")  # the largest rank's resident memory: the one Ray's OOM monitor would take first
 _RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm", "value/grad_norm")
 
 
@@ -61,6 +61,8 @@ def reduce_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float
         else:
             w = [(v, s) for v, s in vals if s > 0]
             out[k] = sum(v * s for v, s in w) / sum(s for _, s in w) if w else vals[0][0]
+    if "train/tokens_per_s" in out and out.get("train/step_s", 0.0) > 0:  # the step's tokens over its slowest rank
+        out["train/tokens_per_s"] = out["train/tokens"] / out["train/step_s"]
     return out
 
 
@@ -77,7 +79,7 @@ def _free_port() -> int:
 class TrainerGroup:
     """The trainer ranks of a run, behind the calls the driver makes on "the trainer"."""
 
-    def __init__(self, workers: list[Any], micro_batch_size: int, placement_group: Any = None) -> None:
+    def __init__(self, workers: list[Any], micro_batch_size: "int | MicroBatching", placement_group: Any = None) -> None:
         self.workers = workers
         self.micro_batch_size = micro_batch_size
         self.placement_group = placement_group
@@ -115,7 +117,7 @@ class TrainerGroup:
             addr, port = ray.get(probe.address.remote())
             ray.kill(probe)
             workers = [make(r, port, addr) for r in range(num_ranks)]
-        return cls(workers, spec.micro_batch_size, pg)
+        return cls(workers, spec.micro, pg)
 
     # ------------------------------------------------------------------ batch sharding
     def _shards(self, batch: TrainBatch, parts: list[list[int]] | None = None) -> tuple[list[tuple[TrainBatch, bool]], int]:

@@ -13,20 +13,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from model.families import RouterHooks, family_of, packing_refusal
+from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
-from rl.trainer.batch import TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
+from rl.trainer import checkpointing
+from rl.trainer.engine import deepspeed_config, init_distributed, load_policy  # noqa: F401  (imported from here too)
+from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
-from rl.trainer.packing import PrefixPack, logit_nodes, pack_prefixes, pack_routes, packed_logprobs, unpack_routes
+from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
+                                packing_enabled, unpack_routes)
+from rl.trainer.tiled import head_inputs, tiled_packed_logprobs, tiled_token_logprobs, tiling_refusal
 
 log = get_logger("trainer")
 
@@ -50,55 +54,13 @@ class TrainerSpec:
     lora: LoraSpec = LoraSpec()  # rank 0: full fine-tuning; else only peft adapters train (rl/trainer/lora.py)
     frozen_layers: int = 0  # the input embeddings and decoder layers [0, N) do not train (see freeze_bottom_layers)
     prefix_sharing: str = "auto"  # auto | on | off: pack a group's shared prompt as a token tree (rl/trainer/packing.py)
+    logprob_tile_tokens: int = 1024  # logprobs from the head in tiles of this many tokens (rl/trainer/tiled.py); 0: full logits
+    activation_checkpointing: str = "auto"  # off | on | auto (rl/trainer/checkpointing.py)
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by padded tokens, not rows (rl/trainer/batch.py MicroBatching)
 
-
-def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
-    """The DeepSpeed config of a trainer engine (the policy's and the critic's)."""
-    return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        # The driver decides how many micro-batches make one optimizer step (dynamic sampling
-        # changes batch sizes); step() is the accumulation boundary.
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": dtype == "bfloat16"},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
-    """Bring up torch.distributed the way DeepSpeed expects, without a launcher (docs/platform.md)."""
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", "0" if not torch.cuda.is_available() else str(rank % max(1, torch.cuda.device_count())))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port or _free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
-
-
-def load_policy(model_dir: str | os.PathLike[str], dtype: str = "float32") -> torch.nn.Module:
-    """Load any causal LM checkpoint; `import model` registers the project's HybridMoe with the Auto classes."""
-    import model  # noqa: F401  (registers hybrid_moe)
-    from transformers import AutoModelForCausalLM
-
-    td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=td)
-    m.config.use_cache = False
-    return m
+    @property
+    def micro(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.max_tokens_per_micro_batch)
 
 
 def decoder_layers(m: torch.nn.Module) -> torch.nn.ModuleList:
@@ -142,31 +104,6 @@ def router_hooks(m: torch.nn.Module) -> RouterHooks | None:
     return RouterHooks(m, fam) if fam is not None and fam.supported and fam.replay == "hooks" else None
 
 
-def packing_enabled(mode: str, config, role: str) -> bool:
-    """Whether a model with this config may run its forwards shared-prefix packed under `trainer.prefix_sharing`
-    = `mode` ('on' refuses a model that cannot; `role` names it in the error). Policy, reference and critic."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"trainer.prefix_sharing={mode!r}; allowed values: 'auto', 'on', 'off'")
-    if mode == "off":
-        return False
-    why = packing_refusal(config)
-    if why and mode == "on":
-        raise ValueError(f"trainer.prefix_sharing='on' but the {role} cannot pack: {why}; use 'auto' or 'off'")
-    return not why
-
-
-def pack_micro_batch(mb: TrainBatch, config) -> PrefixPack | None:
-    """`mb` as token trees on its device, or None to run it padded: it carries images, or the packed forward
-    would cost more (`should_pack`, from the model's hidden size). Rebuilt on each pass over a micro-batch
-    (old logprobs, reference, update, critic): ~30 ms for 8 rows of ~470 tokens, under 1% of the forward it
-    saves, so it is not cached."""
-    if mb.image_mask_BT is not None:
-        return None
-    pack = pack_prefixes(mb.input_ids_BT.cpu(), mb.attention_mask_BT.cpu(), mb.group_ids_B.cpu(), mb.domain_ids_B.cpu(),
-                         hidden_size=int(config.hidden_size))
-    return None if pack is None else pack.to(mb.input_ids_BT.device)
-
-
 class PolicyTrainer:
     def __init__(self, model_dir: str | os.PathLike[str], spec: TrainerSpec, objective: Objective | None = None,
                  rank: int = 0, world_size: int = 1, master_port: int | None = None, total_steps: int = 1000,
@@ -194,6 +131,8 @@ class PolicyTrainer:
             module.config.freeze_expert_bias = spec.freeze_router_bias
         self.frozen_params = freeze_bottom_layers(module, spec.frozen_layers)
         self._packs: dict[int, bool] = {id(module): packing_enabled(spec.prefix_sharing, module.config, "policy")}
+        self._tiles: dict[int, bool] = {id(module): tiling_refusal(module.config) is None}
+        self._ckpt: dict[int, bool] = {id(module): checkpointing.prepare(module, spec.activation_checkpointing, "policy")}
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
@@ -222,6 +161,7 @@ class PolicyTrainer:
             p.requires_grad_(False)
         self._hooks[id(ref)] = router_hooks(ref)
         self._packs[id(ref)] = packing_enabled(self.spec.prefix_sharing, ref.config, "reference")
+        self._tiles[id(ref)] = tiling_refusal(ref.config) is None
         self.reference = ref
 
     def use_base_reference(self) -> None:
@@ -246,17 +186,32 @@ class PolicyTrainer:
               module: torch.nn.Module | None = None) -> tuple[object, torch.Tensor, PrefixPack | None]:
         """One micro-batch's forward and the logprobs [B, T] of its targets (at least every loss-masked one),
         shared-prefix packed where `_pack_of` allows; the pack (or None) maps the forward's per-token outputs
-        (router logits, routes) back to the rows."""
+        (router logits, routes) back to the rows. The logprobs come from the head in tiles
+        (`trainer.logprob_tile_tokens`, rl/trainer/tiled.py) where the model allows it, and a training forward
+        is activation-checkpointed as `trainer.activation_checkpointing` says."""
         pack = self._pack_of(mb, module)
+        m = module if module is not None else self.module
+        tile = self.spec.logprob_tile_tokens if self._tiles.get(id(m), False) else 0
+        if self._ckpt.get(id(m), False):
+            n = pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel()
+            checkpointing.set_active(m, checkpointing.wanted(self.spec.activation_checkpointing, n, m.config))
+        ids, lmask = mb.input_ids_BT, mb.loss_mask_BT
+        with head_inputs(m) if tile else nullcontext((None, None)) as (head, hidden):
+            if pack is None:
+                out = self._forward(mb, replay_BTLK=replay_BTLK, router_logits=router_logits, module=module)
+            else:
+                keep_K, rows_M = logit_nodes(pack, lmask)
+                kw = dict(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
+                          position_ids=pack.position_ids_PN, logits_to_keep=keep_K)
+                replay = pack_routes(replay_BTLK, pack) if replay_BTLK is not None else None
+                out = self._run(kw, replay_BTLK=replay, router_logits=router_logits, module=module)
         if pack is None:
-            out = self._forward(mb, replay_BTLK=replay_BTLK, router_logits=router_logits, module=module)
-            return out, token_logprobs(out.logits, mb.input_ids_BT), None
-        keep_K, rows_M = logit_nodes(pack, mb.loss_mask_BT)
-        kw = dict(input_ids=pack.input_ids_PN, attention_mask=pack.attention_mask_P1NN,
-                  position_ids=pack.position_ids_PN, logits_to_keep=keep_K)
-        replay = pack_routes(replay_BTLK, pack) if replay_BTLK is not None else None
-        out = self._run(kw, replay_BTLK=replay, router_logits=router_logits, module=module)
-        return out, packed_logprobs(out.logits, pack, keep_K, rows_M, mb.input_ids_BT, mb.loss_mask_BT), pack
+            lp = tiled_token_logprobs(head, hidden[0], ids, tile) if tile else token_logprobs(out.logits, ids)
+        elif tile:
+            lp = tiled_packed_logprobs(head, hidden[0], rows_M, ids, lmask, tile)
+        else:
+            lp = packed_logprobs(out.logits, pack, keep_K, rows_M, ids, lmask)
+        return out, lp, pack
 
     def _forward(self, batch: TrainBatch, *, replay_BTLK: torch.Tensor | None, router_logits: bool,
                  module: torch.nn.Module | None = None):
@@ -285,7 +240,8 @@ class PolicyTrainer:
         try:
             return (module or self.engine)(**kw)
         finally:
-            hooks.set_replay(None)
+            if not torch.is_grad_enabled():  # else an activation-checkpointed backward replays them again (train_step clears)
+                hooks.set_replay(None)
 
     def _image_inputs(self, batch: TrainBatch) -> dict:
         return image_inputs(batch, self.module.config, "policy")
@@ -324,7 +280,7 @@ class PolicyTrainer:
         return "r2"
 
     def _micro_batches(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
-        return micro_batches(batch, self.spec.micro_batch_size, n_micro, pad_only)
+        return micro_batches(batch, self.spec.micro, n_micro, pad_only)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False
@@ -346,7 +302,7 @@ class PolicyTrainer:
         self.engine.train()
         if not out_lp:  # a padding-only shard
             return batch.loss_mask_BT[:0].clone(), None
-        size = self.spec.micro_batch_size
+        size = self.spec.micro
         lp = stitch_rows(out_lp, batch, size)
         routes = stitch_rows(out_routes, batch, size, fill=-1) if out_routes else None
         return lp, routes
@@ -367,7 +323,7 @@ class PolicyTrainer:
                 _, lp, _ = self._pass(mb, replay_BTLK=mb.routed_experts_BTLK if replay else None, router_logits=False,
                                       module=self.reference)
                 out.append(lp)
-        return stitch_rows(out, batch, self.spec.micro_batch_size)
+        return stitch_rows(out, batch, self.spec.micro)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
@@ -424,6 +380,7 @@ class PolicyTrainer:
         hooks = self._hooks_of(None)
         if hooks is not None:
             hooks.clear()  # the last micro-batch's router logits hold its graph
+            hooks.set_replay(None)
         grad_norm = self._grad_norm()
         self._expert_bias_step()
         self.step_count += 1
@@ -434,19 +391,22 @@ class PolicyTrainer:
             from rl.algos.kl import kl_per_token
             from rl.observe.telemetry import logprob_gap_metrics
 
-            old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else stitch_rows(fwd_lp, batch, self.spec.micro_batch_size)
+            old_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else stitch_rows(fwd_lp, batch, self.spec.micro)
             mask_BT = batch.loss_mask_BT > 0
             metrics.update(logprob_gap_metrics(old_BT, batch.rollout_logprobs_BT, mask_BT, batch.domain_ids_B, batch.domains))
             if batch.ref_logprobs_BT is not None:
                 # KL(pi_old || pi_ref) on the step's generated tokens, k3 (Schulman 2020), before the update.
                 kl_BT, _ = kl_per_token(old_BT, batch.ref_logprobs_BT, mask_BT, "k3")
                 metrics["kl/ref_mean"] = float(kl_BT.sum() / mask_BT.sum().clamp_min(1))
+        step_s = time.perf_counter() - t0
+        tokens = 0.0 if pad_only else float(batch.attention_mask_BT.sum())
         metrics.update({
             "train/grad_norm": grad_norm,
             "train/lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.spec.lr,
             "train/micro_batches": float(n_mb),
-            "train/step_s": time.perf_counter() - t0,
-            "train/tokens": 0.0 if pad_only else float(batch.attention_mask_BT.sum()),
+            "train/step_s": step_s,
+            "train/tokens": tokens,
+            "train/tokens_per_s": tokens / max(step_s, 1e-9),
             "train/forward_tokens": float(fwd_tokens),
             "train/seqs": float(B),
             "train/routing_replay_" + mode: 1.0,

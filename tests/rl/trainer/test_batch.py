@@ -142,3 +142,47 @@ def test_narrowed_micro_batches_give_the_same_logprobs_as_the_full_width():
     cut = stitch_rows(parts, batch, 2)
     real = batch.attention_mask_BT > 0
     torch.testing.assert_close(cut[real], full[real], atol=1e-5, rtol=0)
+
+
+def _grouped_batch(lengths_by_group: list[list[int]]):
+    from rl.trainer.batch import TrainBatch
+
+    rows = [(g, n) for g, ns in enumerate(lengths_by_group) for n in ns]
+    B, T = len(rows), max(n for _, n in rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    for i, (_, n) in enumerate(rows):
+        ids[i, :n] = 5
+        attn[i, :n] = 1
+    loss = attn.float()
+    return TrainBatch(input_ids_BT=ids, attention_mask_BT=attn, loss_mask_BT=loss, rollout_logprobs_BT=-loss,
+                      advantages_BT=loss, group_ids_B=torch.as_tensor([g for g, _ in rows]),
+                      domain_ids_B=torch.zeros(B, dtype=torch.long), domains=("d",), rewards_B=torch.zeros(B))
+
+
+def test_token_budget_micro_batches():
+    """`trainer.max_tokens_per_micro_batch`: one 32k-token episode alone, short ones many to a micro-batch,
+    no micro-batch past the budget unless it is one row, and every rank's shard cut back into the same
+    micro-batches (what keeps N ranks equal to one)."""
+    from rl.trainer.batch import MicroBatching, micro_rows, split_micro_batches
+
+    batch = _grouped_batch([[300, 200], [32768], [100, 100, 90, 80], [5000, 40]])
+    lengths = batch.attention_mask_BT.sum(1).tolist()
+    groups = batch.group_ids_B.tolist()
+    plan = MicroBatching(rows=2, tokens=4096)
+    mbs = micro_rows(batch, plan)
+    assert mbs[0] == [2] and mbs[1] == [7]  # the long ones alone
+    assert sorted(i for mb in mbs for i in mb) == list(range(batch.num_seqs))
+    for mb in mbs:
+        assert len(mb) == 1 or len(mb) * max(lengths[i] for i in mb) <= plan.tokens, mb
+    assert [groups[i] for i in mbs[2]] == [0, 0, 2, 2, 2, 2, 3]  # longest first; a group's rows stay together here
+    assert max(len(mb) for mb in mbs) > plan.rows  # the row count does not cap a token budget
+    assert micro_rows(batch, MicroBatching(rows=2)) == micro_rows(batch, 2)  # no budget: rows, as before
+    for n in (2, 3):
+        parts = split_micro_batches(batch, n, plan)
+        for p in parts:
+            assert [[p[j] for j in rows] for rows in micro_rows(batch.select(p), plan)] == [mb for mb in mbs if mb[0] in p]
+    with pytest.raises(ValueError):
+        MicroBatching(rows=0)
+    with pytest.raises(ValueError):
+        MicroBatching(rows=1, tokens=-1)

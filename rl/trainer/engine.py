@@ -1,0 +1,60 @@
+"""Bringing up a trainer rank: torch.distributed without a launcher, the DeepSpeed config of an engine, and
+the causal LM a trainer engine wraps (the policy's, the reference's and the critic's trunk).
+
+What it does not do: build the engines or step them (rl/trainer/policy.py, rl/trainer/critic.py).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
+    """The DeepSpeed config of a trainer engine (the policy's and the critic's)."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        # The driver decides how many micro-batches make one optimizer step (dynamic sampling
+        # changes batch sizes); step() is the accumulation boundary.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
+    """Bring up torch.distributed the way DeepSpeed expects, without a launcher (docs/platform.md)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", "0" if not torch.cuda.is_available() else str(rank % max(1, torch.cuda.device_count())))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("MASTER_ADDR", master_addr)
+    os.environ.setdefault("MASTER_PORT", str(master_port or _free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def load_policy(model_dir: str | os.PathLike[str], dtype: str = "float32") -> torch.nn.Module:
+    """Load any causal LM checkpoint; `import model` registers the project's HybridMoe with the Auto classes."""
+    import model  # noqa: F401  (registers hybrid_moe)
+    from transformers import AutoModelForCausalLM
+
+    td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=td)
+    m.config.use_cache = False
+    return m
