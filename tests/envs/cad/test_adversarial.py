@@ -6,7 +6,7 @@ family's reference code) and nothing the sandbox produced. The runner's report o
 the agent is shown and whether a file is looked for; the BREP file is agent-made data, scanned
 before OpenCascade parses it and checked as a solid before it is measured. Each attack below tries
 to score without building the part, or to make the grader work for other episodes' time, and must
-get 0; only a file that still overruns its work timeout is a grade error, and only for its episode:
+get 0, including a file that overruns its own time cap (its `cost`, charged to it, never to others):
 - generic patches: the reported exploit (a slab at a fraction of the part's thickness, no holes, plus
   inside-out tori placed for the hole count) submitted plainly, from a forged file, and through a
   runner whose checks the agent's code has replaced;
@@ -15,7 +15,8 @@ get 0; only a file that still overruns its work timeout is a grade error, and on
   and 0.5 mm vertex tolerances, a solid 100 m away, an open shell, a directory where the file should be;
 - resource exhaustion: a header count edited to 999999999, a few KB of nested compounds that expand
   to a million solids, 600 overlapping boxes, and a valid solid just inside the complexity caps that
-  outlasts the work timeout; all in one batch with an honest episode sharing a 2-worker pool.
+  outlasts its own time cap (charged to it: `reject_cost`); all in one batch with an honest episode
+  sharing a 2-worker pool (the starvation case with many expensive files: test_redteam.py).
 Runs on the real bubblewrap backend and real cadquery workers.
 """
 from __future__ import annotations
@@ -252,6 +253,7 @@ def test_hostile_batch_does_not_starve_an_honest_episode(backend, tasks):
             assert pool.grade(t.private["reference_code"], good).comparison.score == 1.0
             solo.append(time.monotonic() - t0)
         pool.work_timeout_s = max(0.5, 10 * statistics.median(solo))
+        pool.heavy_wall_s = pool.work_timeout_s  # the slow part is heavy (397 faces): its own cap, in its child
 
         (g_solo, _), = asyncio.run(_episodes(backend, [(t, honest)], pool=pool))
         assert g_solo.error is None and g_solo.reward == 1.0
@@ -275,10 +277,12 @@ def test_hostile_batch_does_not_starve_an_honest_episode(backend, tasks):
             assert g.error is None and g.reward == 0.0 and g.metrics.get("check/reject_brep") == 1.0, (what, g)
             assert g.metrics["grade_s"] < 5.0, (what, g.metrics["grade_s"])
         assert g_tori.error is None and g_tori.reward == 0.0 and g_tori.metrics.get("check/reject_solid") == 1.0
-        # The valid-but-slow solid passes the runner and the scan, then overruns: a visible grade error, its own.
+        # The valid-but-slow solid passes the runner and the scan, then overruns its cap in a forked child: a 0
+        # charged to itself (reject_cost), not a grade error, and the workers stay up.
         assert out_slow.startswith("Submitted.\nOK"), out_slow
-        assert g_slow.error is not None and "exceeded" in g_slow.error and g_slow.metrics["grade_error"] == 1.0
+        assert g_slow.error is None and g_slow.reward == 0.0 and g_slow.metrics.get("check/reject_cost") == 1.0, g_slow
         assert pool.requests - requests0 == 3  # tori, slow, honest
+        assert len(pool.pids()) == 2
     finally:
         pool.close()
 

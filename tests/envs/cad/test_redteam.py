@@ -358,3 +358,81 @@ def test_a_file_past_its_cpu_cap_is_charged_to_itself_and_no_worker_dies():
         assert len(pool.render_submission(honest, "iso", 64)) > 100
     finally:
         pool.close()
+
+
+FORGE_HEAVY = """
+import io, os, sys, json
+from OCP.BRep import BRep_Builder
+from OCP.BRepTools import BRepTools
+from OCP.TopTools import TopTools_FormatVersion
+from OCP.TopoDS import TopoDS_Compound
+b, c = BRep_Builder(), TopoDS_Compound()
+b.MakeCompound(c)
+for i in range(4):  # four overlapping 70-gon prisms, left unfused for the grader to fuse
+    b.Add(c, cq.Workplane().polygon(70, {width}).extrude({height}).rotate((0, 0, 0), (0, 0, 1), 360 / 70 * i / 4)
+          .translate((0.3 * i, 0.2, 0.1)).val().wrapped)
+buf = io.BytesIO()
+BRepTools.Write_s(c, buf, False, False, TopTools_FormatVersion.TopTools_FormatVersion_VERSION_3)
+os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)
+open(sys.argv[1], 'wb').write(buf.getvalue())
+sys.__stdout__.write('\\n' + {marker!r} + json.dumps({{'ok': True, 'stdout': '', 'summary': None}}) + '\\n')
+sys.__stdout__.flush()
+os._exit(0)  # the runner's report never comes: the host looks for the file the code wrote
+"""
+
+
+@pytest.mark.slow
+def test_expensive_episodes_do_not_starve_an_honest_episode(backend):
+    """The starvation case through the `Env` API: eight episodes whose code writes an expensive file (and
+    forges the runner's report), graded first, then an honest episode, all against one 2-worker pool and a
+    grade deadline the expensive files would exhaust if served in arrival order."""
+    from envs.cad.kernel.runner import REPORT_MARKER
+
+    t = next(t for t in make_tasks("heldout", 0, 5) if t.private["family"] == "washer")
+    p = t.private["params"]
+    honest = FAMILIES["washer"].alternative(p).split("\n", 1)[1]
+    heavy = FORGE_HEAVY.format(width=0.9 * p["OD"], height=1.5 * p["T"], marker=REPORT_MARKER)
+    pool = CadWorkerPool(size=2)
+    n = 8
+
+    async def run():
+        made = [envs.make("cad-v0", backend=backend, pool=pool) for _ in range(n + 1)]
+        gate = asyncio.Semaphore(3)
+
+        async def submit(env, code, i):
+            async with gate:
+                await env.reset(t)
+                call = ToolCall(id=f"call_{i}", name="submit", arguments=json.dumps({"code": code}))
+                return (await env.step(Message(role="assistant", content="", tool_calls=(call,)))).messages[-1].content
+
+        try:
+            outs = await asyncio.gather(*(submit(e, heavy if i < n else honest, i) for i, e in enumerate(made)))
+            assert all(o.startswith("Submitted.") for o in outs), outs
+            # Warm both workers and time one expensive grade on this machine now.
+            _warm(pool, t.private["reference_code"], G.export_brep(build("import cadquery as cq\n" + honest)))
+            t0 = time.monotonic()
+            assert pool.grade(t.private["reference_code"], made[0].domain.sandbox.read_artifact(
+                made[0].domain.submission.out_rel)).valid
+            one = time.monotonic() - t0
+            for e in made:
+                e.domain.grade_timeout_s = max(6.0, 0.4 * n * one)
+            first = [asyncio.ensure_future(e.grade()) for e in made[:n]]
+            await asyncio.sleep(0.5)  # the expensive files are queued before the honest one asks
+            g_honest = await made[n].grade()
+            return one, g_honest, await asyncio.gather(*first)
+        finally:
+            for e in made:
+                e.close()
+
+    try:
+        one, g, others = asyncio.run(run())
+    finally:
+        pool.close()
+    print(f"one expensive grade {one:.2f} s; honest grade_s {g.metrics['grade_s']:.2f}; expensive: "
+          + ", ".join(f"{'cost' if o.metrics.get('check/reject_cost') else 'graded'} {o.metrics['grade_s']:.1f}s"
+                      for o in others))
+    assert g.error is None and g.reward == 1.0, g
+    assert g.metrics["grade_s"] < max(3.0, one)
+    for o in others:  # each expensive file: its own grade or its own 0, never a grade error
+        assert o.error is None and o.reward == 0.0, o
+        assert o.metrics["check/valid"] == 1.0 or o.metrics.get("check/reject_cost") == 1.0, o.metrics
