@@ -1,16 +1,23 @@
-"""Validating the agent's library edits before they are graded: what new code may do at all.
+"""Validating the agent's library edits before they are graded, and reducing them to function bodies.
 
 The library runs in the same interpreter as pytest (runner.py), so an edit that reaches pytest,
 the interpreter's hooks or the process itself could make failing tests report a pass. This
-module decides, from the source alone, whether an edit stays within what a bug fix needs:
+module decides, from the source alone, whether an edit stays within what a bug fix needs, and
+builds the file that actually runs (`splice`):
 
 * **No new files** in the package (a new module is new code that runs when something imports it;
   grader.py drops them before this check, which rejects any that reach it).
-* **No module-level code.** Every file's import-time code (module and class bodies, decorators,
-  default values, base classes: everything but function and lambda bodies) must be the starting
-  file's, except for two additions that execute nothing: an undecorated `def` whose defaults and
-  annotations are plain names or constants, and an `import` of an allowlisted standard module.
-  Docstrings and `pass` may change.
+* **Only function bodies change, and only they are taken.** A file's import-time code (module and
+  class bodies, decorators, annotations, base classes, metaclasses, class keywords, lambdas at
+  module level, new functions, new imports: everything but the bodies of the functions and
+  methods it already has) must be the starting file's, AST for AST; the one exception is a
+  default value that is a plain constant and stays one (`flag=True` -> `flag=False`). Docstrings
+  of modules and classes, comments and layout may differ but are not taken. The file that runs
+  is then `splice(start, agent)`: the *starting* file's text with the agent's version of each
+  changed function put in its place, checked to parse back to exactly the starting skeleton
+  and the agent's functions. So no import-time code of the agent's ever runs, whatever this
+  comparison might miss: annotations, decorators, defaults, class bodies, metaclasses,
+  `__init_subclass__`, `__set_name__`, descriptors and module `__getattr__` are the starting file's.
 * **No reach into the machinery** from a changed or new function: no imports beyond the
   allowlist, no references to the test machinery or the interpreter's internals (`pytest`,
   `_pytest`, `unittest`, `sys` beyond a few constants, `os` beyond `os.path`, `builtins`,
@@ -21,23 +28,36 @@ module decides, from the source alone, whether an edit stays within what a bug f
   string naming any of these (format fields included), no private members of other modules
   (`random._os`), no assignment to another module's attributes, and no new `__eq__`, `__bool__`,
   `__hash__`, `__instancecheck__` ... (an object that equals everything passes any assertion).
+  On top of these, an **allow-list of attribute names**: every attribute new code reads or writes
+  must be one the library's own source uses, or a public member of a builtin type or of an
+  allowlisted standard module (module-valued members excluded: `enum.bltns` is `builtins`); and
+  no route that turns a string into code or a name lookup: string annotations, `typing.get_type_hints`
+  / `inspect.get_annotations` / `eval_str=`, `singledispatch`, `make_dataclass`, `str.format`
+  on a template that is not a literal, `string.Formatter`, `type()` with three arguments, stores
+  to dunder attributes (`f.__module__ = ...`), dunder keyword arguments, class keywords and
+  dunder names in new class bodies, new dunder methods beyond the plain protocol ones
+  (`__reduce__`, `__getattr__`, `__init_subclass__` ...), and calls to the library's own helpers
+  that look names up from strings (toolz's `_restore_curry`).
   A function is compared with its starting version: only references it did not have before
   count, so editing a function that already used `inspect.signature`, or fixing an `__eq__`, is fine.
 
 A file that does not parse is passed through: Python cannot run it either, and its tests fail.
 
 What this does not do: it is a static check of Python source, so it cannot prove an arbitrary
-edit harmless; it rejects every route to the machinery we know of and leaves the rest to the
-judge process, the worker's audit hook and the canary tests (runner.py, grader.py). It never
-runs the agent's code.
+edit harmless (data built at run time can still reach a sink a function already had: that is
+what the worker's run-time refusals are for, runner.py); it rejects every route to the machinery
+we know of and leaves the rest to the judge process, the worker's audit hook and the canary
+tests (runner.py, grader.py). It never runs the agent's code.
 """
 from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import re
+import types
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from envs.swe.libraries import Library
@@ -69,7 +89,7 @@ SAFE_MEMBERS = frozenset({
     "inspect.signature", "inspect.Signature", "inspect.Parameter", "inspect.isclass", "inspect.isfunction",
     "inspect.ismethod", "inspect.isgeneratorfunction", "inspect.iscoroutinefunction", "inspect.isbuiltin",
     "inspect.isroutine", "inspect.isabstract", "inspect.getfullargspec", "inspect.unwrap", "inspect.cleandoc",
-    "types.MethodType", "types.MappingProxyType", "types.SimpleNamespace", "types.GeneratorType",
+    "types.MethodType", "types.MappingProxyType", "types.GeneratorType",
     "types.BuiltinFunctionType", "types.FunctionType", "types.LambdaType", "types.GenericAlias", "types.NoneType",
     "io.StringIO", "io.BytesIO",
 })
@@ -93,6 +113,14 @@ BANNED_ATTRS = frozenset({
     "_sys", "_os", "_imp", "_bootstrap", "_bootstrap_external", "_io", "_json", "_pickle", "_thread", "_signal",
     "_weakref", "_ctypes", "_posixsubprocess", "_frozen_importlib",
 })
+# Standard-library routes from a string to code or to a name lookup: annotation evaluation,
+# generated classes and format templates that walk attributes.
+STRING_EVAL = frozenset({
+    "get_type_hints", "get_annotations", "ForwardRef", "make_dataclass", "singledispatch",
+    "singledispatchmethod", "Formatter", "format_map", "vformat", "warn_explicit", "new_class",
+    "SimpleNamespace", "evaluate", "eval_str",
+})
+BANNED_ATTRS = BANNED_ATTRS | STRING_EVAL
 # Modules reached as attributes of other modules (`functoolz.sys`, `tabulate.io`), except names
 # too common as ordinary attributes to mean a module.
 BANNED_ATTRS = BANNED_ATTRS | (MACHINERY_MODULES - {"code", "select", "site", "glob", "resource", "types"})
@@ -109,7 +137,7 @@ SAFE_DUNDERS = frozenset({
     "__rxor__", "__ixor__", "__lshift__", "__rshift__", "__index__", "__int__", "__float__", "__complex__",
     "__round__", "__enter__", "__exit__", "__get__", "__set__", "__delete__", "__copy__", "__deepcopy__",
     "__name__", "__qualname__", "__doc__", "__module__", "__wrapped__", "__class__", "__signature__",
-    "__annotations__", "__slots__", "__all__", "__version__", "__length_hint__", "__sizeof__", "__await__",
+    "__slots__", "__all__", "__version__", "__length_hint__", "__sizeof__", "__await__",
     "__aiter__", "__anext__", "__aenter__", "__aexit__", "__matmul__", "__rmatmul__", "__divmod__",
     "__rdivmod__", "__trunc__", "__floor__", "__ceil__", "__bytes__", "__fspath__", "__text_signature__",
     "__isabstractmethod__", "__array__", "__array_interface__", "__html__", "__dataclass_fields__",
@@ -118,6 +146,10 @@ SAFE_DUNDERS = frozenset({
 # make any assertion hold ("always equal"); a fix edits such a method, it does not add one.
 VERDICT_METHODS = frozenset({"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__",
                              "__hash__", "__instancecheck__", "__subclasscheck__", "__contains__"})
+# Dunder names a function body may read as plain names.
+SAFE_DUNDER_NAMES = frozenset({"__name__", "__doc__", "__class__", "__file__", "__debug__", "__qualname__",
+                               "__module__"})
+_SINK_CALLS = frozenset({"import_module", "__import__", "eval", "exec", "compile"})
 _DYNAMIC_ATTR_FUNCS = frozenset({"getattr", "setattr", "delattr", "hasattr", "attrgetter", "methodcaller"})
 _DUNDER = re.compile(r"^__\w+__$")
 _DUNDER_ANYWHERE = re.compile(r"__[A-Za-z]\w*?__")
@@ -143,10 +175,13 @@ class Rejection:
 
 @dataclass(frozen=True)
 class EditCheck:
-    """The verdict on the whole edit set; `ok` when nothing was rejected."""
+    """The verdict on the whole edit set; `ok` when nothing was rejected. `graded`: for each
+    changed file that parses, the text that runs (`splice`): the starting file with the agent's
+    functions in place."""
 
     rejections: tuple[Rejection, ...] = ()
     unparsable: tuple[str, ...] = ()  # changed files that do not parse: passed through, they cannot run
+    graded: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -160,6 +195,8 @@ def check_edits(lib: Library, start: Mapping[str, bytes], library_files: Mapping
     """Validate every library file that differs from the starting repository (`start`)."""
     rejections: list[Rejection] = []
     unparsable: list[str] = []
+    graded: dict[str, bytes] = {}
+    vocab = _vocabulary(lib, start)
     for path in sorted(library_files):
         new = library_files[path]
         old = start.get(path)
@@ -169,27 +206,35 @@ def check_edits(lib: Library, start: Mapping[str, bytes], library_files: Mapping
             rejections.append(Rejection(path, "new_file", 1, "a file added to the package"))
             continue
         try:
-            found = check_file(lib, path, old, new)
+            found = check_file(lib, path, old, new, vocab)
         except (SyntaxError, ValueError):  # ValueError: NUL bytes, which import refuses too
             unparsable.append(path)
             continue
         except (RecursionError, MemoryError) as e:  # too deep or degenerate to analyse
             found = [Rejection(path, "unanalyzable", 1, f"{type(e).__name__}: the file cannot be analysed")]
+        if not found:
+            try:
+                graded[path] = splice(path, old, new)
+            except (SyntaxError, ValueError, UnicodeDecodeError, RecursionError, MemoryError) as e:
+                found = [Rejection(path, "unanalyzable", 1, f"the edit cannot be reduced to function bodies: {e}")]
         rejections += found
-    return EditCheck(tuple(rejections), tuple(unparsable))
+    return EditCheck(tuple(rejections), tuple(unparsable), graded if not rejections else {})
 
 
-def check_file(lib: Library, path: str, old: bytes, new: bytes) -> list[Rejection]:
+def check_file(lib: Library, path: str, old: bytes, new: bytes,
+               vocab: frozenset[str] | None = None) -> list[Rejection]:
     """Rejections for one changed file; SyntaxError when the new version does not parse."""
     own = _own_packages(lib)
-    before = _analyse(path, old, own, None)
-    # The new version may import what the starting one did, not what it imports itself.
-    after = _analyse(path, new, own, before.importable)
+    vocab = _vocabulary(lib, {path: old}) if vocab is None else vocab
+    before = _analyse(path, old, own, None, vocab)
+    # The new version may import what the starting one did, not what it imports itself, and may
+    # not newly call the starting file's helpers that look names up from strings.
+    after = _analyse(path, new, own, before.importable, vocab, before.gadgets)
     out: list[Rejection] = []
     if before.skeleton != after.skeleton:
         out.append(Rejection(path, "module_level", _first_difference(ast.parse(old), ast.parse(new), own),
-                             "module-level (import-time) code changed: only function bodies, undecorated "
-                             "new functions and allowlisted imports may change"))
+                             "module-level (import-time) code changed: only the bodies of existing functions "
+                             "(and constant default values) may change"))
     for key, found in after.units.items():
         # By what, not where: an edit above a function moves its lines, not its references.
         extra = Counter(w for w, _ in found.elements()) - Counter(w for w, _ in before.units.get(key, Counter()).elements())
@@ -204,61 +249,112 @@ class _Analysis:
     skeleton: str  # the import-time code, as an AST dump without positions
     units: Mapping[tuple[str, int], Counter]  # per function: (what, line) -> count of forbidden references
     importable: frozenset[str]  # top-level modules code in this file may import
+    gadgets: frozenset[str]  # module-level functions that look names up from strings (import_module, getattr ...)
 
 
 @functools.lru_cache(maxsize=32)  # the starting file is the same for every episode of an instance
-def _analyse(path: str, data: bytes, own: frozenset[str], importable: frozenset[str] | None) -> _Analysis:
+def _analyse(path: str, data: bytes, own: frozenset[str], importable: frozenset[str] | None,
+             vocab: frozenset[str] = frozenset(), gadgets: frozenset[str] | None = None) -> _Analysis:
     """`importable` None: this is a starting file, and what it imports (an optional dependency such
-    as tabulate's `wcwidth`, but no machinery) may be imported again by new code."""
+    as tabulate's `wcwidth`, but no machinery) may be imported again by new code. `vocab`: the
+    attribute names new code may use; `gadgets`: the starting file's helpers new code may not call."""
     skeleton = _skeleton(ast.parse(data, filename=path), own)
     tree = ast.parse(data, filename=path)
     imports = _import_table(tree)
     if importable is None:
         importable = own | frozenset(o.split(".")[0] for o in imports.values()
                                      if o.split(".")[0] not in MACHINERY_MODULES)
-    units = {key: Counter(_violations(node, imports, own, importable)) for key, node in _units(tree)}
-    return _Analysis(skeleton, units, importable)
+    mine = _gadgets(tree)
+    units = {key: Counter(_violations(node, imports, own, importable, vocab, mine if gadgets is None else gadgets))
+             for key, node in _units(tree)}
+    return _Analysis(skeleton, units, importable, mine)
 
 
-# ----------------------------------------------------------------------------- import-time code
+def _gadgets(tree: ast.Module) -> frozenset[str]:
+    """Module-level functions whose bodies turn strings into modules, attributes or code: calling
+    one with a string built at run time reaches anything (toolz's `_restore_curry`)."""
+    out = set()
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(node):
+            if not isinstance(n, ast.Call):
+                continue
+            f = n.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            computed = any(not (isinstance(a, ast.Constant) and isinstance(a.value, str)) for a in n.args[1:2])
+            if name in _SINK_CALLS or (name in _DYNAMIC_ATTR_FUNCS and computed):
+                out.add(node.name)
+                break
+    return frozenset(out)
+
+
+# ----------------------------------------------------------------------------- the attribute allow-list
+_BUILTIN_TYPES = (str, bytes, bytearray, list, tuple, dict, set, frozenset, int, float, complex, bool, range,
+                  slice, memoryview, object, BaseException, property, staticmethod, classmethod)
+
+
+@functools.lru_cache(maxsize=1)
+def _standard_vocabulary() -> frozenset[str]:
+    """Public members of the builtin types and of the allowlisted standard modules (and of the
+    classes those modules define), minus module-valued members and the string-evaluating ones."""
+    names = {"send", "throw", "close", "mro"}  # generators and classes, without their frame / code attributes
+    for t in _BUILTIN_TYPES:
+        names |= {n for n in dir(t) if not n.startswith("_")}
+    for m in sorted(SAFE_MODULES):
+        mod = importlib.import_module(m)
+        for n in dir(mod):
+            v = getattr(mod, n, None)
+            if n.startswith("_") or isinstance(v, types.ModuleType):
+                continue
+            names.add(n)
+            if isinstance(v, type):
+                names |= {x for x in dir(v) if not x.startswith("_")}
+    return frozenset(n for n in names if not _banned_attr(n))
+
+
+@functools.lru_cache(maxsize=16)
+def _library_vocabulary(files: tuple[tuple[str, bytes], ...]) -> frozenset[str]:
+    names: set[str] = set()
+    for path, data in files:
+        try:
+            tree = ast.parse(data, filename=path)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=8)
+def _release_vocabulary(lib: Library) -> frozenset[str]:
+    """Attribute names of the pinned release's library files (empty when it is not cached)."""
+    from envs.swe import libraries as L
+
+    if lib.name not in L.LIBRARIES or L.get_library(lib.name) != lib:
+        return frozenset()
+    try:
+        files = L.source_files(lib)
+    except Exception:  # noqa: BLE001 - not downloaded: the starting files alone
+        return frozenset()
+    return _library_vocabulary(tuple(sorted((p, b) for p, b in files.items() if lib.is_library_path(p))))
+
+
+def _vocabulary(lib: Library, start: Mapping[str, bytes]) -> frozenset[str]:
+    """The attribute names new code may use: those the library's own code uses (the pinned
+    release, and the starting files) and the standard vocabulary."""
+    files = tuple(sorted((p, b) for p, b in start.items() if lib.is_library_path(p)))
+    return _library_vocabulary(files) | _release_vocabulary(lib) | _standard_vocabulary()
+
+
 def _own_packages(lib: Library) -> frozenset[str]:
     return frozenset(p.rsplit("/", 1)[-1] for p in lib.packages)
 
 
-def _is_inert_expr(e: ast.expr | None) -> bool:
-    """Evaluating it at import time runs no code of ours: a constant or a dotted name."""
-    if e is None or isinstance(e, ast.Constant):
-        return True
-    if isinstance(e, ast.Name):
-        return e.id not in BANNED_NAMES
-    if isinstance(e, ast.Attribute):
-        return _is_inert_expr(e.value) and not _banned_attr(e.attr)
-    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
-        return isinstance(e.operand, ast.Constant)
-    if isinstance(e, (ast.Tuple, ast.List)):
-        return all(_is_inert_expr(x) for x in e.elts)
-    if isinstance(e, ast.Subscript):
-        return _is_inert_expr(e.value) and _is_inert_expr(e.slice)
-    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.BitOr):  # `int | None` annotations
-        return _is_inert_expr(e.left) and _is_inert_expr(e.right)
-    return False
-
-
-def _is_inert_def(s: ast.stmt) -> bool:
-    if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) or s.decorator_list:
-        return False
-    a = s.args
-    exprs = list(a.defaults) + [d for d in a.kw_defaults if d is not None] + [s.returns]
-    exprs += [x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x is not None]
-    return all(_is_inert_expr(e) for e in exprs)
-
-
-def _is_safe_import(s: ast.stmt, own: frozenset[str]) -> bool:
-    if isinstance(s, ast.Import):
-        return all(_module_ok(a.name, own) for a in s.names)
-    if isinstance(s, ast.ImportFrom):
-        return s.level > 0 or _module_ok(s.module or "", own)
-    return False
+def _is_constant(e: ast.expr | None) -> bool:
+    """A plain constant (`True`, `3`, `-1.5`, `None`, `'x'`): evaluating it runs nothing."""
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, (ast.USub, ast.UAdd)):
+        e = e.operand
+    return isinstance(e, ast.Constant)
 
 
 def _module_ok(name: str, own: frozenset[str]) -> bool:
@@ -266,8 +362,10 @@ def _module_ok(name: str, own: frozenset[str]) -> bool:
 
 
 class _Strip(ast.NodeTransformer):
-    """Import-time code only: function and lambda bodies emptied; inert defs, allowlisted imports,
-    docstrings and `pass` dropped from module and class bodies."""
+    """Import-time code only: the bodies of functions that are not nested in functions emptied
+    and their constant defaults replaced by a placeholder; docstrings and `pass` dropped from
+    module and class bodies. Everything else (new functions, imports, lambdas, decorators,
+    annotations) stays, so that any change to it shows."""
 
     def __init__(self, own: frozenset[str]) -> None:
         self.own = own
@@ -275,7 +373,7 @@ class _Strip(ast.NodeTransformer):
     def _body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         kept = []
         for s in body:
-            if _is_inert_def(s) or _is_safe_import(s, self.own) or isinstance(s, ast.Pass):
+            if isinstance(s, ast.Pass):
                 continue
             if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str):
                 continue
@@ -293,16 +391,12 @@ class _Strip(ast.NodeTransformer):
 
     def visit_FunctionDef(self, node: ast.AST) -> ast.AST:
         node.body = []  # type: ignore[attr-defined]
-        node.decorator_list = [self.visit(d) for d in node.decorator_list]  # type: ignore[attr-defined]
-        node.args = self.visit(node.args)  # type: ignore[attr-defined]
+        a = node.args  # type: ignore[attr-defined]
+        a.defaults = [ast.Constant("<constant>") if _is_constant(d) else d for d in a.defaults]
+        a.kw_defaults = [ast.Constant("<constant>") if _is_constant(d) else d for d in a.kw_defaults]
         return node
 
     visit_AsyncFunctionDef = visit_FunctionDef
-
-    def visit_Lambda(self, node: ast.Lambda) -> ast.AST:
-        node.args = self.visit(node.args)
-        node.body = ast.Constant(None)
-        return node
 
 
 def _skeleton(tree: ast.Module, own: frozenset[str]) -> str:
@@ -328,10 +422,71 @@ def _first_difference(old: ast.Module, new: ast.Module, own: frozenset[str]) -> 
 
 
 # ----------------------------------------------------------------------------- run-time code
+def _unit_nodes(tree: ast.Module) -> list[tuple[tuple[str, int], ast.AST]]:
+    """Every function that is not nested in another one (with what nests in it), keyed by
+    (qualname, occurrence), in source order."""
+    seen: Counter[str] = Counter()
+    found: list[tuple[tuple[str, int], ast.AST]] = []
+
+    class Find(ast.NodeVisitor):
+        prefix = ""
+
+        def visit_FunctionDef(self, node: ast.AST) -> None:
+            q = self.prefix + node.name  # type: ignore[attr-defined]
+            seen[q] += 1
+            found.append(((q, seen[q]), node))
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_ClassDef(self, node: ast.ClassDef) -> None:
+            outer = self.prefix
+            self.prefix = outer + node.name + "."
+            self.generic_visit(node)
+            self.prefix = outer
+
+    Find().visit(tree)
+    return found
+
+
+def _dump(node: ast.AST) -> str:
+    return ast.dump(node, include_attributes=False)
+
+
+def splice(path: str, old: bytes, new: bytes) -> bytes:
+    """The file that runs for an accepted edit: `old`'s text with each function of `new` that
+    differs from its starting version put in place of that version (from its `def` line to its
+    end; decorators stay `old`'s), re-indented to the starting column. Raises ValueError unless
+    the result parses to exactly `old`'s import-time code and `new`'s functions."""
+    old_text, new_text = old.decode("utf-8"), new.decode("utf-8")
+    o_units = dict(_unit_nodes(ast.parse(old_text, filename=path)))
+    n_units = dict(_unit_nodes(ast.parse(new_text, filename=path)))
+    if o_units.keys() != n_units.keys():
+        raise ValueError("the functions differ from the starting file's")
+    lines, n_lines = old_text.splitlines(keepends=True), new_text.splitlines(keepends=True)
+    changed = [k for k in o_units if _dump(o_units[k]) != _dump(n_units[k])]
+    for k in sorted(changed, key=lambda k: -o_units[k].lineno):  # bottom up: earlier line numbers stay valid
+        o, n = o_units[k], n_units[k]
+        block = n_lines[n.lineno - 1:n.end_lineno]  # type: ignore[attr-defined]
+        pre_o, pre_n = lines[o.lineno - 1][:o.col_offset], block[0][:n.col_offset]  # type: ignore[attr-defined]
+        if pre_o != pre_n:
+            block = [pre_o + b[len(pre_n):] if b.startswith(pre_n) else b for b in block]
+        if not block[-1].endswith(("\n", "\r")):
+            block[-1] += "\n"
+        lines[o.lineno - 1:o.end_lineno] = block  # type: ignore[attr-defined]
+    out = "".join(lines)
+    tree = ast.parse(out, filename=path)
+    got = dict(_unit_nodes(tree))
+    if got.keys() != n_units.keys() or any(_dump(got[k]) != _dump(n_units[k]) for k in got):
+        raise ValueError("a function did not survive the splice unchanged")
+    if _skeleton(tree, frozenset()) != _skeleton(ast.parse(old_text, filename=path), frozenset()):
+        raise ValueError("the import-time code did not survive the splice unchanged")
+    return out.encode("utf-8")
+
+
 def _units(tree: ast.Module) -> Iterator[tuple[tuple[str, int], ast.AST]]:
     """Every function that is not nested in another one (with what nests in it), keyed by
     (qualname, occurrence); then the rest of the module, where functions are left out, as one unit
-    (its import-time code is pinned by the skeleton; lambda bodies are what can differ there)."""
+    (its import-time code is pinned by the skeleton)."""
     seen: Counter[str] = Counter()
     found: list[tuple[tuple[str, int], ast.AST]] = []
 
@@ -405,9 +560,11 @@ def _dotted(e: ast.expr) -> list[str] | None:
 
 
 def _violations(unit: ast.AST, imports: Mapping[str, str], own: frozenset[str],
-                importable: frozenset[str]) -> Iterator[tuple[str, int]]:
+                importable: frozenset[str], vocab: frozenset[str] = frozenset(),
+                gadgets: frozenset[str] = frozenset()) -> Iterator[tuple[str, int]]:
     """(what, line) for every reference in `unit` that new code may not make. `own`: the
-    library's packages; `importable`: other top-level modules it may import besides SAFE_MODULES."""
+    library's packages; `importable`: other top-level modules it may import besides SAFE_MODULES;
+    `vocab`: the attribute allow-list (empty: not applied); `gadgets`: helpers it may not call."""
     docstrings = set()
     for n in ast.walk(unit):
         body = getattr(n, "body", None)
@@ -426,12 +583,50 @@ def _violations(unit: ast.AST, imports: Mapping[str, str], own: frozenset[str],
         top = o.split(".")[0]
         return None if top in own else o
 
+    annotations = set()
+    for n in ast.walk(unit):
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            annotations.add(id(n.annotation))
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+            annotations.add(id(n.returns))
+        elif isinstance(n, ast.AnnAssign):
+            annotations.add(id(n.annotation))
+    for n in ast.walk(unit):
+        if id(n) in annotations and any(isinstance(c, ast.Constant) and isinstance(c.value, str) for c in ast.walk(n)):
+            yield "string annotation", getattr(n, "lineno", 0)  # typing.get_type_hints evaluates it
+
     for n in ast.walk(unit):
         line = getattr(n, "lineno", 0)
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in VERDICT_METHODS:
             yield f"defines {n.name}", line
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in VERDICT_METHODS:
             yield f"defines {n.id}", line
+        # dunder hooks the interpreter calls implicitly (__reduce__, __getattr__, __init_subclass__ ...)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _DUNDER.match(n.name) \
+                and n.name not in SAFE_DUNDERS:
+            yield f"defines {n.name}", line
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and _DUNDER.match(n.id):
+            yield f"binds {n.id}", line
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and _DUNDER.match(n.id) \
+                and n.id not in SAFE_DUNDER_NAMES:
+            yield f"use of {n.id}", line
+        if isinstance(n, ast.Name) and n.id in gadgets:
+            yield f"use of {n.id} (it looks names up from strings)", line
+        if isinstance(n, ast.ClassDef):
+            for k in n.keywords:
+                yield f"class keyword {k.arg or '**'}", line
+        if isinstance(n, ast.keyword) and n.arg is not None and (_DUNDER.match(n.arg) or n.arg in STRING_EVAL):
+            yield f"keyword argument {n.arg}", line
+        if isinstance(n, ast.Attribute):
+            if vocab and n.attr not in vocab and not _banned_attr(n.attr):
+                yield f"attribute {n.attr} (not in the allow-list)", line
+            if isinstance(n.ctx, (ast.Store, ast.Del)) and _DUNDER.match(n.attr):
+                yield f"assignment to attribute {n.attr}", line
+            if n.attr == "format" and not (isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)):
+                yield "format with a template that is not a literal", line
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "type" \
+                and (len(n.args) > 1 or n.keywords):
+            yield "type() building a class", line
         if isinstance(n, ast.Import):
             for a in n.names:
                 if not _module_ok(a.name, importable):

@@ -8,9 +8,12 @@ Steps (after `kill_all` of the agent's sandbox):
    conftest.py, pytest.ini, setup.cfg, .pth files, a fake pytest) is ignored and counted in the
    `ignored_edits` metric. A new `.py` file in the package is dropped (`new_files_dropped`).
 2. Validate the edits (editcheck.py). A rejected edit is not run: the verdict says so
-   (`edit_rejected` = 1, with the rules broken as metrics) and resolves nothing.
+   (`edit_rejected` = 1, with the rules broken as metrics) and resolves nothing. An accepted
+   edit is reduced to function bodies: each changed library file is replaced by
+   `editcheck.splice(start, agent)`, the starting file with the agent's functions put in place,
+   so none of the agent's import-time code (annotations, decorators, class bodies ...) runs.
 3. Build the grading tree: the package and test directories with the original tests (hidden
-   FAIL_TO_PASS tests included), the buggy library, the agent's library files on top, and a few
+   FAIL_TO_PASS tests included), the buggy library, the agent's spliced library files on top, and a few
    *canary* tests with fresh random names appended to the test files that hold FAIL_TO_PASS
    tests: each asserts something false, so an honest run reports it failed.
 4. Run the suite with `runner.driver_argv` in a *pristine* sandbox (`open_pristine`) that sees
@@ -217,6 +220,8 @@ def grade(backend: SandboxBackend, lib: L.Library, start: Mapping[str, bytes], e
         log.info("swe edit rejected: %s", "; ".join(r.render() for r in check.rejections[:5]))
         return SweVerdict(False, 0, len(f2p), 0, len(p2p), suite_ok=False, applied=edits.applied,
                           ignored=edits.ignored, dropped=edits.dropped, rejections=check.rejections)
+    for path, data in check.graded.items():  # what runs is the splice, never the agent's file itself
+        tree[path] = data
     canaries = add_canaries(tree, f2p)
     result = run_in_sandbox(backend, lib, tree, limits=limits)
     return verdict(result, f2p, p2p, edits, canaries)

@@ -277,18 +277,59 @@ DENY_IMMEDIATE = frozenset({"sys._getframe", "exec", "compile", "object.__getatt
 # library helper that imports what it is told, such as toolz's pickling support): the test
 # framework and this worker.
 PROTECTED_MODULES = frozenset({"pytest", "_pytest", "pluggy", "iniconfig", "__main__", "py"})
+# Modules that reach the process or the interpreter: library *functions* may not import them by
+# name at run time (a library helper handed a string built at run time, such as toolz's
+# `_restore_curry` reached through a `__reduce__`, would import and walk whatever it is told).
+# Module-level library code is the starting file's (editcheck.splice) and may import anything.
+# `builtins` is not among them (toolz pickles `curry(map)` by importing its module): its members
+# that run code are refused where they run (string compiles, unpickling, raw-fd opens).
+PROCESS_MODULES = frozenset({
+    "os", "posix", "sys", "gc", "ctypes", "_ctypes", "subprocess", "_posixsubprocess", "signal",
+    "_signal", "socket", "_socket", "mmap", "fcntl", "pty", "resource", "faulthandler", "marshal", "pickle",
+    "_pickle", "copyreg", "multiprocessing", "threading", "_thread", "atexit", "tracemalloc", "code", "codeop",
+    "runpy", "pdb", "bdb", "traceback", "site", "sysconfig", "zipimport", "_imp", "_frozen_importlib",
+    "_frozen_importlib_external", "importlib", "io", "_io", "shutil", "tempfile", "pathlib", "glob", "select",
+    "selectors", "asyncio", "posixpath", "shlex", "_posixshmem", "_osx_support", "sitecustomize",
+})
+# Lazy imports the pinned libraries' own functions make (toolz's `__version__`).
+PROCESS_MODULES_ALLOWED = frozenset({"importlib.metadata"})
+# Unpickling may not resolve these (a `__reduce__` can name any global; the tests unpickle
+# what library code pickled): modules that reach the process, the interpreter or run strings as
+# code, and builtins that run or look up code. (multiprocessing and threading are left alone: a
+# process pool unpickles its own helpers.)
+UNPICKLE_DENIED_MODULES = frozenset({
+    "os", "posix", "sys", "gc", "ctypes", "_ctypes", "subprocess", "_posixsubprocess", "signal", "_signal",
+    "socket", "_socket", "pty", "shutil", "importlib", "runpy", "code", "codeop", "pdb", "bdb", "pickle",
+    "_pickle", "marshal", "io", "_io", "atexit", "faulthandler", "tracemalloc", "resource", "mmap", "fcntl",
+    "select", "selectors", "tempfile", "pathlib", "glob", "site", "sysconfig", "zipimport", "doctest", "timeit",
+    "cProfile", "profile", "trace", "inspect", "posixpath", "_imp", "_frozen_importlib",
+    "_frozen_importlib_external",
+})
+UNPICKLE_DENIED_BUILTINS = frozenset({"eval", "exec", "compile", "__import__", "open", "breakpoint", "input",
+                                      "globals", "vars", "locals"})
+# Annotation evaluators (typing.get_type_hints, inspect.get_annotations(eval_str=True)) compile
+# strings that library code may have produced; such a string must be a type expression.
+ANNOTATION_EVALUATORS = ("typing.py", "inspect.py", "annotationlib.py")
+# What a frame's code must name for a string compile or a raw-fd open made on its behalf to be
+# its own: a test that calls `exec` or `open` names it; a test frame that only called
+# `pickle.loads` or `map` did not ask for the `exec` / `open` those ran for library data.
+ASKED_BY_NAME = {"compile": frozenset({"exec", "eval", "compile"}), "open": frozenset({"open", "fdopen", "FileIO"})}
+TYPE_EXPRESSION_NODES = ("Expression", "Name", "Attribute", "Subscript", "Constant", "Tuple", "List", "BinOp",
+                         "BitOr", "Load", "Slice")
 FRAME_ATTRS = frozenset({"f_code", "tb_frame", "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code",
                          "__code__", "f_back", "f_globals", "f_locals"})
 FRAME_HELPERS = frozenset({"currentframe", "stack", "getouterframes", "trace", "getframeinfo", "extract_stack",
                            "walk_stack", "format_stack", "print_stack"})
 
 
-def guard(emit, library_dirs, stdlib):
+def guard(emit, library_dirs, stdlib, runtime):
     """Install the audit hook (it cannot be removed once added)."""
     import _thread
 
+    import ast
+
     getframe = sys._getframe
-    watched = DENY_FIRST_OUTSIDE_STDLIB | DENY_IMMEDIATE | {"open"}
+    watched = DENY_FIRST_OUTSIDE_STDLIB | DENY_IMMEDIATE | {"open", "pickle.find_class"}
     state = _thread._local()  # per thread: reading f_code below raises an audit event of its own
 
     def is_library(f):
@@ -297,6 +338,9 @@ def guard(emit, library_dirs, stdlib):
             return False
         name = os.path.basename(fn)
         return not (name.startswith("test_") or name == "conftest.py" or "/tests/" in fn or "/test/" in fn)
+
+    def is_library_file(fn):
+        return isinstance(fn, str) and any(fn.startswith(d) for d in library_dirs)
 
     def is_stdlib(f):
         fn = f.f_code.co_filename
@@ -320,7 +364,35 @@ def guard(emit, library_dirs, stdlib):
         finally:
             state.busy = False
 
+    def not_a_type_expression(source):
+        try:
+            tree = ast.parse(source, mode="eval")
+        except (SyntaxError, ValueError):
+            return False  # compile itself refuses it
+        return any(type(n).__name__ not in TYPE_EXPRESSION_NODES or (
+            type(n).__name__ == "Attribute" and n.attr.startswith("_")) for n in ast.walk(tree))
+
+    def refuse(event, where):
+        emit(k="denied", event=event, where=where)
+        raise RuntimeError("jointrl: %s is not allowed (%s)" % (event, where))
+
     def check(event, args, f):
+        if event == "pickle.find_class":
+            module, name = str(args[0]), str(args[1])
+            parts = name.split(".")
+            if module == "builtins":
+                bad = name in UNPICKLE_DENIED_BUILTINS
+            else:
+                bad = module.partition(".")[0] in UNPICKLE_DENIED_MODULES | PROTECTED_MODULES
+            if bad or any(p in UNPICKLE_DENIED_MODULES or p.startswith("__") for p in parts):
+                refuse("unpickling %s.%s" % (module[:100], name[:100]), "pickle")
+            return
+        if event == "compile" and f is not None and args and isinstance(args[0], (str, bytes)) \
+                and is_stdlib(f) and os.path.basename(f.f_code.co_filename) in ANNOTATION_EVALUATORS:
+            source = args[0].decode("utf-8", "replace") if isinstance(args[0], bytes) else args[0]
+            if not_a_type_expression(source):
+                refuse("evaluating the annotation %r" % source[:100], "%s:%d" % (f.f_code.co_filename, f.f_lineno))
+            return
         deny = False
         if event in DENY_IMMEDIATE:
             g = f
@@ -332,6 +404,13 @@ def guard(emit, library_dirs, stdlib):
             while g is not None and is_stdlib(g):
                 g = g.f_back
             deny = g is not None and is_library(g)
+        # only when nothing of the standard library stands between: C code (pickle, map) called it
+        if not deny and event in ASKED_BY_NAME and g is not None and g is f and not is_stdlib(g) \
+                and not g.f_code.co_filename.startswith(runtime) \
+                and (event == "open" or isinstance(args[0], (str, bytes))) \
+                and not ASKED_BY_NAME[event].intersection(g.f_code.co_names):
+            refuse(event + " run for data (the calling code never names it)",
+                   "%s:%d" % (g.f_code.co_filename, g.f_lineno))
         if deny:
             where = "%s:%d" % (g.f_code.co_filename, g.f_lineno)
             emit(k="denied", event=event, where=where)
@@ -345,16 +424,20 @@ def guard(emit, library_dirs, stdlib):
     real_import, real_import_module = builtins.__import__, importlib.import_module
     modules = sys.modules
 
-    def refuse_import(name):
+    def refuse_import(name, process=False):
         f = getframe(2)  # the frame that asked for the import
         while f is not None and is_stdlib(f):
             f = f.f_back
-        if f is not None and is_library(f):
+        if f is not None and is_library(f) and not (process and f.f_code.co_name == "<module>"):
             where = "%s:%d" % (f.f_code.co_filename, f.f_lineno)
             emit(k="denied", event="import " + name[:100], where=where)
             raise ImportError("jointrl: library code may not import %s (%s)" % (name, where))
 
     def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and isinstance(name, str) and name.partition(".")[0] in PROCESS_MODULES \
+                and name not in PROCESS_MODULES_ALLOWED and type(globals) is dict \
+                and is_library_file(globals.get("__file__")):
+            refuse_import(name, process=True)
         if level == 0 and isinstance(name, str) and name.partition(".")[0] in PROTECTED_MODULES:
             # pytest imports its own modules inside functions (~12,000 times per suite): an
             # `import` statement names its module's globals, so those need no frame walk.
@@ -368,6 +451,8 @@ def guard(emit, library_dirs, stdlib):
     def guarded_import_module(name, package=None):
         if isinstance(name, str) and name.partition(".")[0] in PROTECTED_MODULES:
             refuse_import(name)
+        if isinstance(name, str) and name.partition(".")[0] in PROCESS_MODULES and name not in PROCESS_MODULES_ALLOWED:
+            refuse_import(name, process=True)
         return real_import_module(name, package)
 
     builtins.__import__ = guarded_import
@@ -398,7 +483,8 @@ def main():
         while data:
             data = data[write(fd, data):]
 
-    guard(emit, [os.path.realpath(d) + os.sep for d in a.library_dir], os.path.dirname(os.__file__) + os.sep)
+    guard(emit, [os.path.realpath(d) + os.sep for d in a.library_dir], os.path.dirname(os.__file__) + os.sep,
+          os.path.dirname(os.path.realpath(a.site)) + os.sep)
 
     def rel(p):
         p = os.path.realpath(str(p))

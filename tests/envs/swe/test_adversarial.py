@@ -283,6 +283,13 @@ MODULE_LEVEL = {
     "changed decorator": lambda s: s.replace("\n    @instanceproperty\n    def func(self):",
                                              "\n    @property\n    def func(self):", 1),
     "non-allowlisted import": lambda s: "import os\n" + s,
+    # Only existing function bodies are taken: even inert additions at import time are not.
+    "new undecorated helper": lambda s: s + "\n\ndef _helper(x, y=3, *, z: int | None = None) -> int:\n    return x + y\n",
+    "allowlisted import at module level": lambda s: "import itertools\n" + s,
+    "string annotation on a new helper": lambda s: s + "\n\ndef _jr(x: 'exec(bytes.fromhex(\"00\"))'):\n    return x\n",
+    "annotation of an existing function": lambda s: s.replace("def identity(x):", "def identity(x: 'int'):", 1),
+    "constant default made a call": lambda s: s.replace("def memoize(func, cache=None, key=None):",
+                                                       "def memoize(func, cache=print('x'), key=None):", 1),
 }
 
 
@@ -296,10 +303,12 @@ def test_module_level_change_is_rejected(toolz_files, case):
 
 ACCEPTED = {
     "body edit": lambda s: s.replace(IDENTITY, "def identity(x):\n    y = x\n    return y\n"),
-    "new undecorated helper": lambda s: s + "\n\ndef _helper(x, y=3, *, z: int | None = None) -> int:\n    return x + y\n",
     "edit inside an existing __eq__": lambda s: s.replace("return (isinstance(other, curry) and",
                                                           "return (isinstance(other, (curry,)) and", 1),
-    "allowlisted import": lambda s: "import itertools\n" + s,
+    "allowlisted import inside a body": lambda s: s.replace(IDENTITY, "def identity(x):\n    import itertools\n"
+                                                                      "    return next(itertools.chain([x]))\n"),
+    "constant default changed": lambda s: s.replace("def memoize(func, cache=None, key=None):",
+                                                    "def memoize(func, cache=None, key=0):", 1),
     "docstring": lambda s: s.replace("Identity function. Return x", "Identity function: returns x"),
     "lines shifted above everything": lambda s: s.replace(IDENTITY, IDENTITY.replace("    return x\n",
                                                                                      "    x = x\n\n\n    return x\n")),
