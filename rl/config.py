@@ -114,6 +114,18 @@ class RolloutSection:
     # What an image shows the policy: "real" pixels, or "blank" (every pixel mid-grey, same size and
     # placeholders): the control arm that measures whether the policy uses what it sees.
     image_pixels: Literal["real", "blank"] = "real"
+    # Long episodes (docs/rollout.md, "Long episodes"). What an episode keeps in context once its history passes
+    # context_budget_tokens: full (everything; the episode ends as truncated when max_model_len is reached),
+    # window (drop the oldest whole turns) or summarize (the policy writes a summary of its progress, and the
+    # episode goes on from the system prompt, the task and that summary); rl/rollout/context.py's registry.
+    context: str = "full"
+    context_domains: dict[str, str] = field(default_factory=dict)  # domain -> strategy, overriding rollout.context
+    context_budget_tokens: int = 0  # 0: max_model_len - max_new_tokens_per_turn (twice that for summarize)
+    context_keep_turns: int = 0  # window: keep the most recent N turns; 0: the turns that fit half the budget
+    # Partial rollouts: a step stops generating once its episodes have generated step_token_budget tokens; the
+    # episodes still running pause and continue in the next step under the new weights (rl/rollout/partial.py).
+    partial: Literal["on", "off"] = "off"
+    step_token_budget: int = 0  # needed (> 0) with partial on
 
 
 @dataclass
@@ -508,6 +520,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config key 'envs.weights.{d}': weight {w} must be >= 0")
     if cfg.envs.weights and sum(cfg.envs.weights.values()) <= 0:
         raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
+    _validate_context(cfg)
     for tier, n in cfg.rollout.thinking_budgets.items():
         if tier not in ("low", "high", "max"):
             raise ConfigError(f"config key 'rollout.thinking_budgets.{tier}': unknown tier; allowed: 'low', 'high', 'max'")
@@ -670,6 +683,30 @@ def _validate_model_family(cfg: RunConfig) -> None:
         problem = family_problem(hf_config.get("model_type"))
         if problem:
             raise ConfigError(f"config key '{key}': {value!r}: {problem}")
+
+
+def _validate_context(cfg: RunConfig) -> None:
+    """rollout.context* and rollout.partial: registered strategy names, sizes that leave room for a turn."""
+    from rl.rollout.context import strategy_names
+
+    r = cfg.rollout
+    names = strategy_names()
+    for key, name in [("rollout.context", r.context)] + [(f"rollout.context_domains.{d}", n) for d, n in r.context_domains.items()]:
+        if name not in names:
+            raise ConfigError(f"config key '{key}': {name!r} is not a context strategy; allowed values: {', '.join(map(repr, names))}")
+    for d in r.context_domains:
+        if d not in cfg.envs.env_ids:
+            raise ConfigError(f"config key 'rollout.context_domains.{d}': unknown domain; known: {', '.join(sorted(cfg.envs.env_ids))}")
+    if r.context_budget_tokens < 0 or r.context_budget_tokens > r.max_model_len:
+        raise ConfigError(f"config key 'rollout.context_budget_tokens': {r.context_budget_tokens} must be in [0, rollout.max_model_len="
+                          f"{r.max_model_len}] (0: the default budget)")
+    if r.context_keep_turns < 0:
+        raise ConfigError(f"config key 'rollout.context_keep_turns': {r.context_keep_turns} must be >= 0")
+    if r.partial == "on" and r.step_token_budget <= 0:
+        raise ConfigError("config key 'rollout.step_token_budget': partial rollouts (rollout.partial: on) need a budget > 0 "
+                          f"(generated tokens per step), got {r.step_token_budget}")
+    if r.step_token_budget < 0:
+        raise ConfigError(f"config key 'rollout.step_token_budget': {r.step_token_budget} must be >= 0")
 
 
 def _validate_chat_codec(cfg: RunConfig) -> None:

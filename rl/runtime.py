@@ -78,14 +78,17 @@ def loop_settings_for(cfg: RunConfig, codec: Any, images: Any = None, temperatur
     """The agent loop's LoopSettings for a run (`temperature` None: rollout.temperature; `images`: an
     ImageSettings, None for text only)."""
     from rl.rollout.agent_loop import LoopSettings
+    from rl.rollout.context import ContextSettings
     from rl.rollout.multimodal import ImageSettings
 
     r = cfg.rollout
+    context = ContextSettings(strategy=r.context, budget_tokens=r.context_budget_tokens, keep_turns=r.context_keep_turns,
+                              by_domain=dict(r.context_domains))
     return LoopSettings(max_model_len=r.max_model_len, max_new_tokens_per_turn=r.max_new_tokens_per_turn,
                         temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                         thinking_budgets=dict(r.thinking_budgets), max_turns=cfg.envs.max_turns,
                         end_token_id=codec.end_token_id, per_request_seed=r.seeded_requests,
-                        images=ImageSettings() if images is None else images)
+                        images=ImageSettings() if images is None else images, context=context)
 
 
 def start_local_ray(log_to_driver: bool = True) -> None:
@@ -500,12 +503,16 @@ class Runtime:
     # ------------------------------------------------------------------ training
     def batch_of(self, episodes: Sequence[Episode], adv: Sequence[float]):
         from rl.algos import aggregation_weights
-        from rl.trainer.batch import collate
+        from rl.trainer.batch import EpisodeView, collate
 
         batch = collate(episodes, adv, pad_id=self.codec.pad_token_id, domains=self.domains)
-        w, _ = aggregation_weights(self.cfg.algorithm.aggregation, batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B,
+        mask, doms = batch.loss_mask_BT > 0, batch.domain_ids_B
+        view = EpisodeView.of(batch)  # an episode's segments weigh as one sequence (rl/trainer/batch.py)
+        if view is not None:
+            mask, doms = view.to_episodes(mask, False), doms[view.first_E]
+        w, _ = aggregation_weights(self.cfg.algorithm.aggregation, mask, domain_ids_B=doms,
                                    domain_names=dict(enumerate(batch.domains)))
-        return batch.with_(loss_weights_BT=w)
+        return batch.with_(loss_weights_BT=w if view is None else view.to_rows(w))
 
     @property
     def has_critic(self) -> bool:
@@ -577,7 +584,10 @@ class Runtime:
         ref_BT = self.trainer.reference_logprobs(batch)
         penalty_BT, m = kl_reward_penalty(batch.rollout_logprobs_BT, ref_BT, batch.loss_mask_BT > 0,
                                           coef=self.cfg.algorithm.kl_coef, estimator="k1")
-        pen_B = penalty_BT.sum(dim=1).tolist()
+        from rl.trainer.batch import EpisodeView
+
+        view = EpisodeView.of(batch)  # one penalty per episode, summed over its segments
+        pen_B = (penalty_BT if view is None else view.to_episodes(penalty_BT)).sum(dim=1).tolist()
         it = iter(pen_B)
         out = [replace(g, episodes=tuple(replace(e, reward=e.reward + next(it)) for e in g.episodes)) for g in groups]
         new_eps = [e for g in out for e in g.episodes]
@@ -630,7 +640,7 @@ class Runtime:
             return {}
         seqs = [list(e.token_ids[: self.cfg.rollout.max_model_len - 1]) for e in eps]
         engine_lp = self.rollout_engine.score(seqs)
-        batch = self.batch_of(eps, [0.0] * len(eps))
+        batch = self.batch_of([dataclasses.replace(e, segments=()) for e in eps], [0.0] * len(eps))  # last contexts
         trainer_lp, _ = self.trainer.compute_logprobs(batch)
         diffs = []
         for i, e in enumerate(eps):

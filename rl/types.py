@@ -24,6 +24,23 @@ class TokenImage:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One context of an episode whose history was compacted (rl/rollout/context.py): the tokens the engine
+    was given and generated while that context lasted, with the same per-token fields as `Episode`.
+
+    token_versions: the policy version that generated each token (0 off the loss mask); () = every
+    generated token came from the episode's `policy_version`.
+    """
+
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    rollout_logprobs: tuple[float, ...]
+    routed_experts: object | None = None  # numpy int array [T, L, k] or None
+    images: tuple[TokenImage, ...] = ()
+    token_versions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Episode:
     """One finished multi-turn episode, token-in / token-out.
 
@@ -32,6 +49,10 @@ class Episode:
     rollout_logprobs: the engine's logprob of each token where loss_mask == 1, else 0.0.
     routed_experts: optional [len(token_ids), n_moe_layers, top_k] expert ids reported by the engine (R3).
     images: the images the policy saw, in order, each with the placeholder span it feeds (loss mask 0 there).
+    segments: the earlier contexts of an episode whose history was compacted, oldest first; the fields
+    above are its last context. Each is trained as a row of its own with the episode's reward and group.
+    token_versions: the policy version that generated each token of the last context (0 off the loss mask;
+    () = all from `policy_version`); a partial rollout continued under newer weights mixes versions.
     """
 
     task_id: str
@@ -51,6 +72,15 @@ class Episode:
     routed_experts: object | None = None  # numpy int array [T, L, k] or None
     wall_s: float = 0.0
     images: tuple[TokenImage, ...] = ()
+    segments: tuple[Segment, ...] = ()
+    token_versions: tuple[int, ...] = ()
+
+
+def segments_of(e: Episode) -> tuple[Segment, ...]:
+    """Every context of `e` as a `Segment`, oldest first (one for an episode that was never compacted)."""
+    last = Segment(token_ids=e.token_ids, loss_mask=e.loss_mask, rollout_logprobs=e.rollout_logprobs,
+                   routed_experts=e.routed_experts, images=e.images, token_versions=e.token_versions)
+    return (*e.segments, last)
 
 
 @dataclass(frozen=True)

@@ -20,3 +20,7 @@ def register() -> None:
         description="shell tasks in a bubblewrap sandbox: text/JSON/CSV wrangling, archives, permissions, scripts, git, sqlite, logs, cron")
     reg(BASICS_ENV_ID, make_env, make_basics_tasks,
         description="one-command shell tasks (echo, wc, head, cp) in the same sandbox: the first rung of the terminal curriculum")
+    from envs.terminal import longhorizon
+
+    reg(longhorizon.ENV_ID, longhorizon.make_env, longhorizon.make_tasks,
+        description="a trail of 20-27 logs read one call at a time, whose whole history outgrows the context: the long-horizon rung")

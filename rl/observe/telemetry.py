@@ -20,29 +20,39 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from rl.types import Episode, RolloutGroup
+from rl.observe.names import per_domain
+from rl.types import Episode, RolloutGroup, segments_of
 
 # Quantiles written for each distribution (name suffix, q); the report's box plots use min/p25/p50/p75/max.
 QUANTILES: tuple[tuple[str, float], ...] = (("min", 0.0), ("p10", 0.1), ("p25", 0.25), ("p50", 0.5),
                                             ("p75", 0.75), ("p90", 0.9), ("max", 1.0))
 # Episode.metrics keys (from envs/base.py's Grade metrics) averaged per domain as `episode/<key>_mean/<d>`.
 _EPISODE_COUNTERS = ("parse_errors", "capped_turns", "tool_calls", "malformed_calls", "tool_errors", "tool_timeouts", "obs_clipped",
-                     "sandbox_kills", "format_ok")
+                     "sandbox_kills", "format_ok",
+                     # context management (rl/rollout/context.py): compactions, segments (contexts) per episode, whole
+                     # turns dropped from context, summaries that reached the next context with a note
+                     "compactions", "segments", "dropped_turns", "summary_problems")
 
 
 def _think_tokens(e: Episode, think_start: int, think_end: int) -> int:
-    """Generated tokens inside <think>...</think> (the header's <think> is not generated)."""
-    n, inside = 0, False
-    for t, m in zip(e.token_ids, e.loss_mask):
-        if t == think_start:
-            inside = True
-            continue
-        if t == think_end:
-            inside = False
-            continue
-        if inside and m:
-            n += 1
+    """Generated tokens inside <think>...</think> (the header's <think> is not generated), in every segment."""
+    n = 0
+    for s in segments_of(e):
+        inside = False
+        for t, m in zip(s.token_ids, s.loss_mask):
+            if t == think_start:
+                inside = True
+                continue
+            if t == think_end:
+                inside = False
+                continue
+            if inside and m:
+                n += 1
     return n
+
+
+def _generated(e: Episode) -> int:
+    return sum(sum(s.loss_mask) for s in segments_of(e))
 
 
 def _quantiles(prefix: str, values: Sequence[float], domain: str, out: dict[str, float]) -> None:
@@ -75,7 +85,7 @@ def rollout_metrics(groups: Sequence[RolloutGroup], think_ids: tuple[int, int] |
         if not eps:
             continue
         r = np.array([e.reward for e in eps], dtype=np.float64)
-        gen = np.array([sum(e.loss_mask) for e in eps], dtype=np.float64)
+        gen = np.array([_generated(e) for e in eps], dtype=np.float64)
         think = np.array([_think_tokens(e, *think_ids) if think_ids else 0 for e in eps], dtype=np.float64)
         turns = np.array([e.num_turns for e in eps], dtype=np.float64)
         out[f"reward/mean/{d}"] = float(r.mean())
@@ -84,7 +94,7 @@ def rollout_metrics(groups: Sequence[RolloutGroup], think_ids: tuple[int, int] |
         out[f"episodes/count/{d}"] = float(len(eps))
         out[f"tokens/response_mean/{d}"] = float(gen.mean())
         out[f"tokens/thinking_mean/{d}"] = float(think.mean())
-        out[f"tokens/total_mean/{d}"] = float(np.mean([len(e.token_ids) for e in eps]))
+        out[f"tokens/total_mean/{d}"] = float(np.mean([sum(len(s.token_ids) for s in segments_of(e)) for e in eps]))
         out[f"turns/mean/{d}"] = float(turns.mean())
         _quantiles("tokens/response", gen, d, out)
         _quantiles("tokens/thinking", think, d, out)
@@ -94,6 +104,9 @@ def rollout_metrics(groups: Sequence[RolloutGroup], think_ids: tuple[int, int] |
         out[f"episode/wall_s_mean/{d}"] = float(np.mean([e.wall_s for e in eps]))
         out[f"episode/wall_s_max/{d}"] = float(np.max([e.wall_s for e in eps]))
         out[f"episode/grade_error_rate/{d}"] = float(np.mean([e.grade_error is not None for e in eps]))
+        # the largest context any episode reached (an episode that was never compacted: its whole length)
+        out[per_domain("episode/context_tokens_max", d)] = float(max(
+            e.metrics.get("context_tokens_max", max(len(s.token_ids) for s in segments_of(e))) for e in eps))
         for key in _EPISODE_COUNTERS + tuple(sorted({k for e in eps for k in e.metrics if k.startswith("sandbox_")} - set(_EPISODE_COUNTERS))):
             vals = [float(e.metrics[key]) for e in eps if key in e.metrics]
             if vals:
@@ -116,6 +129,10 @@ def rollout_metrics(groups: Sequence[RolloutGroup], think_ids: tuple[int, int] |
     all_r = np.array([e.reward for g in groups for e in g.episodes]) if groups else np.zeros(1)
     if all_r.size == 0:
         all_r = np.zeros(1)
+    # partial rollouts: the most policy versions that generated one trained episode's tokens (1: none continued)
+    versions = [float(e.metrics.get("policy_versions", 1.0)) for g in groups for e in g.episodes]
+    if versions:
+        out["rollout/policy_versions_per_episode_max"] = max(versions)
     out["reward/mean/all"] = float(all_r.mean())
     out["success/rate/all"] = float((all_r >= 1.0).mean())
     return out

@@ -203,3 +203,9 @@ class EpisodeImages:
     def discard(self) -> None:
         """Forget images prepared but not appended (the turn did not fit the context)."""
         self._pending = 0
+
+    def restart(self) -> None:
+        """A new context (a compacted history, rl/rollout/context.py): no image placed yet. Images already
+        prepared keep their patch counts, so the new context's `place` can expand the ones it keeps."""
+        self.items = []
+        self._pending = 0

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from rl.types import Episode, TokenImage
+from rl.types import Episode, TokenImage, segments_of
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class TrainBatch:
     # those spans (never loss-masked). None / () for a text-only batch.
     images_B: tuple[tuple[TokenImage, ...], ...] = ()
     image_mask_BT: torch.Tensor | None = None
+    # Rows of one episode (its segments, when its history was compacted: rl/rollout/context.py) share an id;
+    # None: every row is an episode of its own. See `EpisodeView`.
+    episode_ids_B: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -80,6 +83,46 @@ class TrainBatch:
 
 
 _SCALARS = ("domains", "step_tokens", "step_seqs", "step_loss_tokens", "routes_from")
+
+
+class EpisodeView:
+    """Per-episode layout of a batch whose episodes span several rows (segments): each episode's rows side by
+    side, in row order, as one row of width (most rows of an episode) x T. Every estimator and aggregation of
+    rl/algos reads a row's loss-masked positions in order, so on this layout a segmented episode is one sequence:
+    one reward and baseline per episode in its group, GAE and returns across its segments, and sequence-level
+    aggregation counting it once. `to_rows` puts per-episode results back on the rows."""
+
+    def __init__(self, episode_ids_B: torch.Tensor, T: int) -> None:
+        ids = episode_ids_B.tolist()
+        order: dict[int, int] = {}
+        self.slot_B: list[int] = []
+        counts: dict[int, int] = {}
+        for e in ids:
+            order.setdefault(e, len(order))
+            self.slot_B.append(counts.get(e, 0))
+            counts[e] = counts.get(e, 0) + 1
+        self.row_E = [order[e] for e in ids]  # the episode (view row) of each batch row
+        self.first_E = torch.as_tensor([ids.index(e) for e in order], dtype=torch.long)  # each episode's first row
+        self.T = T
+        self.width = max(counts.values(), default=1) * T
+        self.E = len(order)
+
+    @staticmethod
+    def of(batch: "TrainBatch") -> "EpisodeView | None":
+        """The view, or None when every row is an episode of its own (nothing to regroup)."""
+        ids = batch.episode_ids_B
+        if ids is None or int(torch.unique(ids).numel()) == int(ids.numel()):
+            return None
+        return EpisodeView(ids, int(batch.input_ids_BT.shape[1]))
+
+    def to_episodes(self, x_BT: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        out = x_BT.new_full((self.E, self.width, *x_BT.shape[2:]), fill)
+        for b, (e, k) in enumerate(zip(self.row_E, self.slot_B)):
+            out[e, k * self.T:(k + 1) * self.T] = x_BT[b]
+        return out
+
+    def to_rows(self, x_EW: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x_EW[e, k * self.T:(k + 1) * self.T] for e, k in zip(self.row_E, self.slot_B)])
 
 
 @dataclass(frozen=True)
@@ -188,11 +231,22 @@ def split_micro_batches(batch: TrainBatch, n: int, size: "int | MicroBatching") 
 
 def collate(episodes: Sequence[Episode], advantages_B: Sequence[float], *, pad_id: int = 0,
             domains: Sequence[str] | None = None, group_index: dict[str, int] | None = None) -> TrainBatch:
-    """Pad `episodes` into a TrainBatch; `advantages_B[i]` is broadcast over episode i's generated tokens."""
+    """Pad `episodes` into a TrainBatch; `advantages_B[i]` is broadcast over episode i's generated tokens.
+
+    An episode with compacted history (`Episode.segments`) becomes one row per segment, oldest first, each with
+    the episode's reward, group and advantage, tied together by `episode_ids_B` (set only when some episode
+    has more than one row)."""
     if len(episodes) != len(advantages_B):
         raise ValueError(f"collate: {len(episodes)} episodes but {len(advantages_B)} advantages")
     if not episodes:
         raise ValueError("collate: empty batch")
+    if any(e.segments for e in episodes):
+        rows = [(i, replace(e, token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
+                            routed_experts=s.routed_experts, images=s.images, segments=(), token_versions=s.token_versions))
+                for i, e in enumerate(episodes) for s in segments_of(e)]
+        batch = collate([r for _, r in rows], [advantages_B[i] for i, _ in rows], pad_id=pad_id, domains=domains,
+                        group_index=group_index)
+        return batch.with_(episode_ids_B=torch.as_tensor([i for i, _ in rows], dtype=torch.long))
     doms = tuple(domains) if domains is not None else tuple(sorted({e.domain for e in episodes}))
     gidx = dict(group_index) if group_index is not None else {}
     B = len(episodes)
