@@ -549,6 +549,22 @@ def _banned_string(value: str) -> bool:
     return any(p in BANNED_NAMES or _banned_attr(p) or p in MACHINERY_MODULES for p in value.split("."))
 
 
+_CODE_NODES = (ast.Call, ast.Lambda, ast.Import, ast.ImportFrom, ast.NamedExpr, ast.ListComp, ast.SetComp,
+               ast.DictComp, ast.GeneratorExp, ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AugAssign)
+
+
+def _holds_code(value: str) -> bool:
+    """A string that parses as Python doing something (a call, a lambda, an import, a binding):
+    `typing.get_type_hints` and friends evaluate the strings a library hands them as annotations."""
+    if len(value) > 20_000 or "(" not in value and "=" not in value and "import" not in value:
+        return False
+    try:
+        tree = ast.parse(value.strip())
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return any(isinstance(x, _CODE_NODES) for x in ast.walk(tree))
+
+
 def _dotted(e: ast.expr) -> list[str] | None:
     parts = []
     while isinstance(e, ast.Attribute):
@@ -686,5 +702,7 @@ def _violations(unit: ast.AST, imports: Mapping[str, str], own: frozenset[str],
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
             if _banned_string(n.value):
                 yield f"string {n.value[:60]!r}", line
+            elif _holds_code(n.value):
+                yield f"string holding code {n.value[:60]!r}", line  # an annotation evaluator would run it
         elif isinstance(n, ast.JoinedStr):
             pass  # its constant parts are visited as Constants
