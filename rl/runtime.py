@@ -413,6 +413,8 @@ class Runtime:
     def shutdown(self) -> None:
         import ray
 
+        if getattr(self, "_partial", None) is not None:
+            self._partial.close()  # paused episodes' environments (sandboxes)
         try:
             self.sink.close()
         except Exception:  # noqa: BLE001
@@ -483,6 +485,25 @@ class Runtime:
 
         return asyncio.run(go())
 
+    def run_partial(self, tasks: Sequence[Task], group_size: int, seed: int = 0):
+        """One step of partial rollouts: ([(task, episodes)] of the groups that finished, metrics); the episodes
+        still running when rollout.step_token_budget is spent continue in the next call."""
+        from rl.rollout.agent_loop import BatchingGenerator, ThreadedGenerate
+        from rl.rollout.partial import PartialRollouts
+
+        if getattr(self, "_partial", None) is None:
+            self._partial = PartialRollouts(self.cfg.rollout.step_token_budget)
+
+        async def go():
+            max_concurrent = self.cfg.rollout.max_concurrent_episodes
+            async with ThreadedGenerate(self.rollout_engine.generate, max_concurrent) as generate_batch:
+                return await self._partial.step(tasks, group_size, self.make_env, BatchingGenerator(generate_batch), self.tok,
+                                                self.codec, self._loop_settings(), policy_version=self.policy_version,
+                                                max_concurrent=max_concurrent, seed=seed)
+
+        out = asyncio.run(go())
+        return out.groups, out.metrics
+
     def rollout(self, tasks: Sequence[Task], step: int, draw: int = 0) -> tuple[list[RolloutGroup], dict[str, float]]:
         """G episodes per task. Sampling seeds depend on (run seed, step, draw, task, sample, turn) only,
         so a run resumed at `step` replays what an uninterrupted run would (docs/rollout.md,
@@ -494,9 +515,15 @@ class Runtime:
         t0 = time.perf_counter()
         G = self.cfg.algorithm.group_size
         seed = rollout_seed(self.cfg.envs.seed, step)
-        eps = self.run_groups(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
+        partial_m: dict[str, float] = {}
+        if self.cfg.rollout.partial == "on":  # a step bounded by rollout.step_token_budget (rl/rollout/partial.py)
+            done, partial_m = self.run_partial(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
+            tasks, eps = [t for t, _ in done], [e for _, e in done]  # the groups that finished, carried-over ones first
+        else:
+            eps = self.run_groups(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
         groups = [RolloutGroup(task_id=t.id, domain=t.domain, episodes=tuple(e)) for t, e in zip(tasks, eps)]
         m = rollout_metrics(groups, self.think_ids, policy_version=self.policy_version)
+        m.update(partial_m)
         m["rollout/episodes_per_s"] = sum(len(g.episodes) for g in groups) / max(time.perf_counter() - t0, 1e-9)
         return groups, m
 

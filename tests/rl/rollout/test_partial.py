@@ -1,0 +1,128 @@
+"""Partial rollouts (rl/rollout/partial.py): a step ends when its token budget is spent, paused episodes continue in
+a later step under newer weights, every token keeps the version that generated it, and the TIS weights of the
+update compare each token with that version's logprob.
+
+The engine double plays the long-horizon rung's reference (tests/rl/rollout/test_context.py's TrailPolicy) and
+reports logprobs that depend on its current "weights version", as a real engine's would after a sync; the env,
+codec, agent loop, scheduler, collation and the TIS function are the real ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import envs
+from rl.algos.off_policy import truncated_is_weights
+from rl.rollout.agent_loop import BatchingGenerator, LoopSettings
+from rl.rollout.codec import make_codec
+from rl.rollout.context import ContextSettings
+from rl.rollout.engine import GenerateResult
+from rl.rollout.partial import PartialRollouts
+from rl.trainer.batch import collate
+from rl.types import Episode, RolloutGroup, segments_of
+from tests.rl.rollout.test_context import ENV, TrailPolicy, _task
+
+LP = {0: -0.5, 1: -0.1, 2: -0.3}  # the logprob every token gets under weights version v
+
+
+class VersionedPolicy:
+    """One TrailPolicy per episode (told apart by the task text in the prompt); logprobs from `LP[version]`."""
+
+    def __init__(self, codec, tasks):
+        self.codec = codec
+        self.by_task = {t.prompt[1].content: TrailPolicy(codec, t) for t in tasks}
+        self.version = 0
+        self.requests = 0
+
+    async def __call__(self, reqs):
+        out = []
+        for r in reqs:
+            text = self.codec.tokenizer.decode(list(r.prompt_token_ids[:900]), skip_special_tokens=False)
+            pol = next(p for k, p in self.by_task.items() if k in text)
+            (res,) = await pol([r])
+            out.append(dataclasses.replace(res, logprobs=tuple(LP[self.version] for _ in res.token_ids)))
+        self.requests += len(reqs)
+        return out
+
+
+def _step(pr, tasks, pol, codec, version, strategy="full"):
+    pol.version = version
+    settings = LoopSettings(max_model_len=8192, max_new_tokens_per_turn=96, max_turns=40, end_token_id=codec.end_token_id,
+                            context=ContextSettings(strategy=strategy))
+    return asyncio.run(pr.step(tasks, 1, lambda t: envs.make(ENV), BatchingGenerator(pol), codec.tokenizer, codec, settings,
+                               policy_version=version, seed=7))
+
+
+@pytest.mark.parametrize("strategy", ["full", "window"])
+def test_a_paused_episode_finishes_later_with_two_versions_and_tis_uses_each_tokens_own(strategy):
+    codec = make_codec("jointrl", None)
+    tasks = [_task(0), _task(1)]
+    pol = VersionedPolicy(codec, tasks)
+    pr = PartialRollouts(step_token_budget=400)  # about half of an episode's generated tokens
+    first = _step(pr, tasks, pol, codec, 0, strategy)
+    assert first.groups == [] and first.metrics["rollout/partial_episodes"] == 2.0
+    assert 400 <= first.metrics["rollout/step_tokens"] < 400 + 2 * 96  # at most one turn per episode past the budget
+    done: list[Episode] = []
+    for version in (1, 2, 2, 2, 2):
+        out = _step(pr, [], pol, codec, version, strategy)
+        done += [e for _, eps in out.groups for e in eps]
+        if not pr.pending:
+            break
+    assert len(done) == 2 and all(e.reward == 1.0 for e in done) and not pr.pending
+    for e in done:
+        assert e.policy_version == 0 and e.metrics["policy_versions"] >= 2
+        seen: set[int] = set()
+        for s in segments_of(e):
+            assert len(s.token_versions) == len(s.token_ids)
+            for m, v, lp in zip(s.loss_mask, s.token_versions, s.rollout_logprobs):
+                if m:
+                    seen.add(v)
+                    assert lp == pytest.approx(LP[v])  # each token keeps the logprob of the weights that sampled it
+                else:
+                    assert lp == 0.0
+        assert {0, 1} <= seen
+    from rl.observe.telemetry import rollout_metrics
+
+    m = rollout_metrics([RolloutGroup(task_id=e.task_id, domain=e.domain, episodes=(e,)) for e in done])
+    assert m["rollout/policy_versions_per_episode_max"] >= 2
+    # The update's TIS: rho_t = pi_old / pi_rollout per token, against the version that generated token t.
+    batch = collate(done, [1.0, 1.0])
+    old_BT = torch.full_like(batch.rollout_logprobs_BT, -0.3) * batch.loss_mask_BT
+    w_BT, _ = truncated_is_weights(old_BT, batch.rollout_logprobs_BT, batch.loss_mask_BT > 0, cap=2.0)
+    rows = [s for e in done for s in segments_of(e)]
+    for b, s in enumerate(rows):
+        for t, (m, v) in enumerate(zip(s.loss_mask, s.token_versions)):
+            if m and t > 0:
+                assert float(w_BT[b, t]) == pytest.approx(min(math.exp(-0.3 - LP[v]), 2.0), rel=1e-5)
+
+
+def test_a_step_with_one_long_episode_ends_when_the_short_ones_are_done():
+    """Seven 3-turn episodes and one 30-turn one: with a budget of about the short ones' tokens, the step makes
+    a few engine rounds instead of thirty, and the long one finishes in later steps."""
+    codec = make_codec("jointrl", None)
+    tasks = [dataclasses.replace(_task(i), limits=dataclasses.replace(_task(i).limits, max_turns=30 if i == 0 else 3))
+             for i in range(8)]
+    pol = VersionedPolicy(codec, tasks)
+    per_turn = 30  # the reference's read_log call is ~25-35 tokens in the project format
+    pr = PartialRollouts(step_token_budget=7 * 3 * per_turn)
+    out = _step(pr, tasks, pol, codec, 0)
+    assert len(out.groups) == 7 and pr.paused_episodes == 1  # the seven short groups train now
+    rounds_partial = pol.requests
+    steps = 1
+    while pr.pending:
+        _step(pr, [], pol, codec, steps)
+        steps += 1
+    assert 2 <= steps <= 6
+    pol2 = VersionedPolicy(codec, tasks)
+    from rl.rollout.agent_loop import run_groups
+
+    settings = LoopSettings(max_model_len=8192, max_new_tokens_per_turn=96, max_turns=None, end_token_id=codec.end_token_id)
+    asyncio.run(run_groups(tasks, 1, lambda t: envs.make(ENV), BatchingGenerator(pol2), codec.tokenizer, codec, settings))
+    long_turns = min(30, len(envs.make(ENV).reference(tasks[0])))  # the reference submits after its trail
+    assert long_turns >= 21
+    # the step without partial waits for every turn of the long episode; with partial it stops a few turns past the short ones
+    assert pol2.requests == 7 * 3 + long_turns and rounds_partial < 7 * 3 + 8
