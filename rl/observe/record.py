@@ -49,11 +49,14 @@ class RunRecord:
 
     @staticmethod
     def of(env_ids: Mapping[str, str], tasks: Mapping[str, Sequence[Task]], *, steps: int) -> "RunRecord":
-        """From the run's domain -> env id map, its task pools (a domain's family is declared by its tasks)
-        and its configured RL steps."""
+        """From the run's domain -> env id map, its task pools and its configured RL steps. A domain's family is
+        the one its tasks declare when they all declare the same (a reasoning-gym generator's); tasks of several
+        families inside one domain (terminal-basics' line_count, word_count, ...) leave the domain its own
+        family, labelled by its name, never by whichever task came first."""
         out = []
         for d in sorted(env_ids):
-            fam = next((t.public.get("family") for t in tasks.get(d, ()) if isinstance(t.public.get("family"), str)), None)
+            fams = {t.public.get("family") for t in tasks.get(d, ())}
+            fam = next(iter(fams)) if len(fams) == 1 and isinstance(next(iter(fams)), str) else None
             out.append(DomainInfo(d, env_ids[d], fam or d))
         return RunRecord(tuple(out), steps=int(steps))
 

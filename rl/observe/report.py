@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rl.observe import names, report_domains
+from rl.observe import names, report_domains, report_eval
 from rl.observe.report_data import ReportError, RunData, load_run
 from rl.observe.svg import (ALL_COLOR, PALETTE, Box, Series, box_plot, diverging, esc, fmt, heatmap, line_chart,
                             missing)
@@ -43,7 +43,7 @@ class _Ctx:
         self.run = run
         labels = list(run.families) if run.many else list(run.domains)
         self.colors = {d: PALETTE[i % len(PALETTE)] for i, d in enumerate(labels)}
-        self.xs = [float(s) for s in run.steps]
+        self.xs = [float(s) + 1 for s in run.steps]  # 1-based, as the console counts steps
 
     def color(self, label: str) -> str:
         return self.colors.get(label, ALL_COLOR)
@@ -153,7 +153,7 @@ def _moe_heatmaps(c: _Ctx) -> str:
                 if vals:
                     M[r, col] = float(np.mean(vals))
         note = (f"Load = share of a domain's routing assignments that went to the expert, relative to uniform (1×), "
-                f"averaged over MoE layers and over steps {run.steps[idx[0]]}–{run.steps[i]} ({len(idx)} logged steps). "
+                f"averaged over MoE layers and over steps {run.steps[idx[0]] + 1}–{run.steps[i] + 1} ({len(idx)} logged steps). "
                 "Red: the domain over-uses the expert; blue: under-uses it.")
         hm = heatmap("expert-domain-heatmap", "Expert load × domain", rows, [str(e) for e in experts], M, note=note)
     # per-layer max violation x domain at the latest step
@@ -168,7 +168,7 @@ def _moe_heatmaps(c: _Ctx) -> str:
                 v = run.series[vio[d][l]][i] if l in vio[d] else None
                 M[r, col] = np.nan if v is None else v
         # MaxVio 0 = balanced: show 1 + MaxVio (the busiest expert's load) on the same 1x-centred scale.
-        hv = heatmap("maxvio-layer-heatmap", f"Busiest expert's load (1 + MaxVio) per MoE layer × domain, step {run.steps[i]}",
+        hv = heatmap("maxvio-layer-heatmap", f"Busiest expert's load (1 + MaxVio) per MoE layer × domain, step {run.steps[i] + 1}",
                      rows, [f"L{l}" for l in layers], 1.0 + M,
                      note="MaxVio (Wang et al. 2024, arXiv:2408.15664) = max load / mean load − 1 per layer; 1× = perfectly balanced.")
     else:
@@ -192,13 +192,14 @@ def _samples_table(run: RunData, ctx: _Ctx, limit_per_domain: int = 8) -> str:
         transcript = str(s.get("transcript", ""))
         extra = {k: v for k, v in s.items() if k not in ("step", "domain", "task_id", "reward", "turns", "transcript")}
         extra_txt = "".join(f"<div><b>{esc(k)}</b>: {esc(v)}</div>" for k, v in sorted(extra.items()))
-        rows.append(f'<tr data-domain="{esc(d)}"><td>{esc(s.get("step", ""))}</td>'
+        step = s.get("step")
+        rows.append(f'<tr data-domain="{esc(d)}"><td>{esc(step + 1 if isinstance(step, int) else "")}</td>'
                     f'<td><i class="dot" style="background:{ctx.color(d)}"></i>{esc(d)}</td><td>{esc(s.get("task_id", ""))}</td>'
                     f'<td class="num">{esc(s.get("reward", ""))}</td><td class="num">{esc(s.get("turns", ""))}</td>'
                     f'<td><details><summary>{len(transcript)} chars</summary>{extra_txt}<pre>{esc(transcript)}</pre></details></td></tr>')
     doms = sorted(per)
     opts = '<option value="">all domains</option>' + "".join(f'<option value="{esc(d)}">{esc(d)}</option>' for d in doms)
-    return (f'<p>Samples from step {last_step} (up to {limit_per_domain} per domain). '
+    return (f'<p>Samples from step {last_step + 1} (up to {limit_per_domain} per domain). '
             f'<label>Domain <select id="sample-filter">{opts}</select></label></p>'
             '<table id="samples" class="data"><thead><tr><th>step</th><th>domain</th><th>task</th><th>reward</th>'
             f'<th>turns</th><th>transcript</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
@@ -215,14 +216,15 @@ def _eval_tables(run: RunData) -> str:
                        for r in rows)
         out.append(f'<h3>{esc(label)}</h3><table class="data eval" data-label="{esc(label)}"><thead><tr>'
                    + "".join(f"<th>{esc(c)}</th>" for c in cols) + f"</tr></thead><tbody>{body}</tbody></table>")
-    return "".join(out)
+    return f'<details id="eval-raw"><summary>each arm\'s rows (eval_&lt;label&gt;.json)</summary>{"".join(out)}</details>'
+
 
 
 def _summary(run: RunData, c: _Ctx) -> str:
     t = [x for x in run.times if x is not None]
     dur = (t[-1] - t[0]) if len(t) >= 2 else None
     planned = f" of {run.planned_steps} planned" if run.planned_steps is not None else ""
-    cards = [("steps logged", f"{len(run.steps)}{planned}"), ("last step", str(run.steps[-1]) if run.steps else "–"),
+    cards = [("steps logged", f"{len(run.steps)}{planned}"), ("last step", str(run.steps[-1] + 1) if run.steps else "–"),
              ("domains", (f"{len(run.domains)} in {len(run.families)} families" if run.many else ", ".join(run.domains)) or "–"),
              ("wall time", f"{dur / 60:.1f} min" if dur is not None else "–")]
     for d in ([] if run.many else run.domains):
@@ -305,8 +307,13 @@ def render_report(run: RunData) -> str:
     """The whole HTML page as a string (self-contained: no external resources)."""
     c = _Ctx(run)
     if not run.steps:
-        body = '<p class="warn">metrics.jsonl has no rows yet: nothing to plot.</p>'
+        body = ('<p class="note">No RL step logged yet (metrics.jsonl has no rows).</p>' if run.sft else
+                '<p class="warn">metrics.jsonl has no rows yet: nothing to plot.</p>')
         sections = [("Summary", "summary", _summary(run, c) + body)]
+        if run.sft:
+            sections.append(("Supervised fine-tuning", "sft", report_eval.sft_section(run)))
+        if run.evals:
+            sections.append(("Held-out evaluation", "eval", report_eval.heldout_section(run) + _eval_tables(run)))
     else:
         rates = (0.0, 1.0)
         tok_boxes, ti = c.latest_boxes("tokens/response")
@@ -316,11 +323,13 @@ def render_report(run: RunData) -> str:
         def boxes(pid: str, title: str, b: list[Box], i: int | None, ylabel: str) -> str:
             if not b:
                 return missing(pid, title, "no per-domain quantiles (rl/telemetry.py writes <metric>_p25/<domain> etc.)")
-            return box_plot(pid, f"{title}, step {run.steps[i]}", b, ylabel=ylabel,
+            return box_plot(pid, f"{title}, step {run.steps[i] + 1}", b, ylabel=ylabel,
                             note="Box: p25–p75 with the median; whiskers: min–max; short ticks: p10 / p90.")
 
         sections = [
             ("Summary", "summary", _summary(run, c)),
+            ("Supervised fine-tuning", "sft", report_eval.sft_section(run)),
+            ("Held-out evaluation", "eval", report_eval.heldout_section(run) + _eval_tables(run)),
             ("Rewards", "rewards", '<div class="grid2">'
              + c.dom_chart("reward-mean", "Reward mean per domain (band: ± std)", "reward/mean", "reward", band_std="reward/std")
              + c.dom_chart("success-rate", "Success rate per domain", "success/rate", "fraction", yrange=rates)
@@ -368,7 +377,6 @@ def render_report(run: RunData) -> str:
              + "</div>"),
             ("Domains", "domains", report_domains.domains_section(run, diverging)),
             ("Latest samples", "samples", _samples_table(run, c)),
-            ("Held-out evaluation", "eval", _eval_tables(run)),
             ("All metrics", "metrics", _all_metrics(run)),
         ]
     nav = "".join(f'<a href="#sec-{sid}">{esc(title)}</a>' for title, sid, _ in sections)

@@ -44,6 +44,9 @@ class RunData:
     # MoE telemetry by index (rl/observe/names.py: moe_index): domain (or `all`) -> expert / layer -> metric name
     moe_load: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
     moe_max_vio: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    # supervised phases (RUN_DIR/<label>_metrics.jsonl: the warm start "sft", the control arm "sft_control"):
+    # label -> (SFT steps, 0-based as logged; metric name -> values aligned with them)
+    sft: Mapping[str, tuple[tuple[int, ...], Mapping[str, tuple[float | None, ...]]]] = field(default_factory=dict)
 
     @property
     def domains(self) -> tuple[str, ...]:
@@ -125,9 +128,11 @@ def load_run(run_dir: str | Path) -> RunData:
     if not rd.is_dir():
         raise ReportError(f"{rd} is not a directory")
     mpath = rd / "metrics.jsonl"
-    if not mpath.exists():
+    sft, warnings = _read_sft(rd)
+    if not mpath.exists() and not sft:
         raise ReportError(f"{mpath} not found: is {rd} a jointrl run directory? (training writes metrics.jsonl there)")
-    rows, warnings = _read_jsonl(mpath, tolerate_torn_tail=True)
+    rows, w = _read_jsonl(mpath, tolerate_torn_tail=True) if mpath.exists() else ([], [])
+    warnings += w
     by_step: dict[int, dict] = {}
     for i, row in enumerate(rows, 1):
         s = row.get("step")
@@ -172,4 +177,27 @@ def load_run(run_dir: str | Path) -> RunData:
             moe[m.kind].setdefault(m.domain, {})[m.index] = k
     return RunData(run_dir=rd, name=name, steps=steps, series=series, times=times, samples=tuple(samples),
                    config=config, evals=evals, warnings=tuple(warnings), record=record,
-                   moe_load=moe["load"], moe_max_vio=moe["max_vio"])
+                   moe_load=moe["load"], moe_max_vio=moe["max_vio"], sft=sft)
+
+
+SFT_LABELS = ("sft", "sft_control")
+
+
+def _read_sft(rd: Path) -> tuple[dict, list[str]]:
+    """The supervised phases' per-step rows (rl/sft.py writes `{"sft_step": i, "sft/nll": ...}` per step; a resumed
+    warm start appends the steps it redid, and the later row is the one that counted)."""
+    out: dict = {}
+    warnings: list[str] = []
+    for label in SFT_LABELS:
+        path = rd / f"{label}_metrics.jsonl"
+        if not path.exists():
+            continue
+        rows, w = _read_jsonl(path, tolerate_torn_tail=True)
+        warnings += w
+        by_step = {int(r["sft_step"]): r for r in rows if isinstance(r.get("sft_step"), int) and not isinstance(r["sft_step"], bool)}
+        if not by_step:
+            continue
+        steps = tuple(sorted(by_step))
+        keys = sorted({k for r in by_step.values() for k in r if k != "sft_step"})
+        out[label] = (steps, {k: tuple(_num(by_step[i].get(k)) for i in steps) for k in keys})
+    return out, warnings

@@ -31,8 +31,25 @@ def fmt(v: float | None) -> str:
     return f"{v:.4g}"
 
 
-def _tick(v: float) -> str:
-    return f"{v:.3g}"
+def tick_labels(ticks: Sequence[float]) -> list[str]:
+    """Labels for an axis' ticks, as short as they can be while no two are equal: fixed-point with the fewest
+    decimals that tell them apart (0.2, 0.25, 0.3 -> "0.20", "0.25", "0.30"), scientific for very large or
+    very small magnitudes, with as many digits as that takes."""
+    vals = list(ticks)
+    if not vals:
+        return []
+    big = max(abs(v) for v in vals)
+    if big >= 1e6 or (0 < big < 1e-3):
+        for p in range(1, 12):
+            out = [f"{v:.{p}e}" for v in vals]
+            if len(set(out)) == len(out):
+                return out
+        return [repr(v) for v in vals]
+    for p in range(0, 12):
+        out = [f"{v:.{p}f}" for v in vals]
+        if len(set(out)) == len(out):
+            return ["0" if set(x) <= {"0", ".", "-"} else x for x in out]
+    return [repr(v) for v in vals]
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5, *, integer: bool = False) -> list[float]:
@@ -86,9 +103,9 @@ def _open_with_y_grid(title: str, width: int, height: int, ml: float, pw: float,
     """The opening <svg> tag of a chart and its horizontal grid lines with their tick labels at `yt`."""
     out = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
            f'aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">']
-    for t in yt:
+    for t, label in zip(yt, tick_labels(yt)):
         out.append(f'<line class="grid" x1="{ml}" x2="{ml + pw}" y1="{Y(t):.1f}" y2="{Y(t):.1f}"/>'
-                   f'<text class="tick" x="{ml - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{esc(_tick(t))}</text>')
+                   f'<text class="tick" x="{ml - 6}" y="{Y(t) + 4:.1f}" text-anchor="end">{esc(label)}</text>')
     return out
 
 

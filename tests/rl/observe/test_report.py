@@ -53,7 +53,7 @@ def test_plotted_points_are_the_logged_values(run):
         pts[(m.group(1), int(m.group(2)))] = (float(m.group(3)), cy)
     for r in rows:
         for d in DOMAINS:
-            v, _ = pts[(d, r["step"])]
+            v, _ = pts[(d, r["step"] + 1)]  # the report counts steps from 1, like the console
             assert v == pytest.approx(r[f"reward/mean/{d}"], rel=1e-3, abs=1e-9)
     # larger values are drawn higher (smaller SVG y) on the shared axis
     vals = sorted(pts.values())
@@ -93,7 +93,7 @@ def test_page_is_self_contained_and_escapes_transcripts(run):
     assert EVIL not in page  # the raw <script> from a transcript never reaches the page
     assert "&lt;script&gt;console.error(&#x27;injected&#x27;)&lt;/script&gt;" in page
     assert set(p.sample_rows) == {"cad", "swe", "terminal"}
-    assert f"Samples from step {STEPS - 1}" in page
+    assert f"Samples from step {STEPS}" in page  # the last step, counted from 1
 
 
 @pytest.mark.parametrize("setup,msg", [
