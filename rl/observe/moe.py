@@ -238,20 +238,44 @@ def stats_from_forward(batch, routes_LNK: Tensor, num_experts: int, *, router_lo
                            scoring=scoring, fresh_routes_LNK=fresh_routes_LNK)
 
 
+_OPTIONAL_DL = ("entropy_sum_DL", "z_sum_DL", "mismatch_slots_DL", "mismatch_tokens_DL")
+
+
+def empty_stats(domains: Sequence[str], num_layers: int, num_experts: int, top_k: int) -> MoeBatchStats:
+    """Stats of no tokens: what a rank with only padding contributes to the step's sum."""
+    D, L, E = len(domains), int(num_layers), int(num_experts)
+    return MoeBatchStats(domains=tuple(domains), num_experts=E, top_k=int(top_k), tokens_D=np.zeros(D),
+                         counts_DLE=np.zeros((D, L, E)))
+
+
 def all_reduce_stats(stats: MoeBatchStats, group=None) -> MoeBatchStats:
-    """Sum the stats over the ranks of `group` (torch.distributed must be initialised; a no-op otherwise)."""
+    """Sum the stats over the ranks of `group` (torch.distributed must be initialised; a no-op otherwise).
+
+    Every rank sends the same layout: each optional array (zeros where this rank has none) and the two
+    flags, so ranks whose stats differ in what they hold (a rank with replayed routes beside one that ran
+    only padding) still make one all_reduce of one size. An optional sum is kept where any rank had it."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return stats
-    arrays = [(f.name, getattr(stats, f.name)) for f in fields(stats) if isinstance(getattr(stats, f.name), np.ndarray)]
-    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for _, a in arrays]).astype(np.float64))
+    D, L, E = len(stats.domains), stats.num_layers, stats.num_experts
+    shapes = {"tokens_D": (D,), "counts_DLE": (D, L, E), "prob_sum_DLE": (D, L, E), **{n: (D, L) for n in _OPTIONAL_DL}}
+    parts = [np.asarray(getattr(stats, n), dtype=np.float64).reshape(-1) if getattr(stats, n) is not None
+             else np.zeros(int(np.prod(shape))) for n, shape in shapes.items()]
+    parts.append(np.array([float(stats.has_logits), float(stats.has_replay)]))
+    flat = torch.from_numpy(np.concatenate(parts))
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     out, i = {}, 0
-    for name, a in arrays:
-        out[name] = flat[i: i + a.size].numpy().reshape(a.shape)
-        i += a.size
-    return replace(stats, **out)
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        out[name] = flat[i: i + size].numpy().reshape(shape)
+        i += size
+    has_logits, has_replay = bool(flat[i] > 0), bool(flat[i + 1] > 0)
+    if not has_replay:
+        out["mismatch_slots_DL"] = out["mismatch_tokens_DL"] = None
+    if not has_logits:
+        out["prob_sum_DLE"] = out["entropy_sum_DL"] = out["z_sum_DL"] = None
+    return replace(stats, has_logits=has_logits, has_replay=has_replay, **out)
 
 
 def _merged(stats: MoeBatchStats) -> MoeBatchStats:
@@ -375,7 +399,15 @@ class MoeStepTelemetry:
                                fresh_routes_LNK=fresh)
         self.stats = s if self.stats is None else self.stats + s
 
+    def add_padding(self, domains: Sequence[str], routes_LNK: Tensor) -> None:
+        """A padding micro-batch: adds no tokens, but gives a rank with only padding the stats' layout, so
+        its `finish` joins the other ranks' all_reduce (a rank that skipped it would hang theirs)."""
+        if self.stats is None:
+            self.stats = empty_stats(domains, int(routes_LNK.shape[0]), self.num_experts, int(routes_LNK.shape[-1]))
+
     def finish(self, group=None) -> dict[str, float]:
+        """The step's metrics summed over ranks. Under torch.distributed every rank must call it once per
+        step, padding-only ranks included (`add_padding`)."""
         if self.stats is None:
             return {}
         st, self.stats = all_reduce_stats(self.stats, group), None

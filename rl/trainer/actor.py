@@ -66,34 +66,37 @@ class TrainerWorker:
         reference to feed: the reference replays the routes the policy takes, so those routes are
         recorded first in a no-grad pass (`compute_logprobs`), whose logprobs then serve as pi_old."""
         t0 = time.perf_counter()
-        if pad_only:  # fewer sequences than ranks: this rank only keeps the collectives in step
-            m = self.t.train_step(batch, n_micro, pad_only=True)
-            if self.critic is not None and batch.returns_BT is not None:
-                m.update(self.critic.value_step(batch, n_micro, pad_only=True))
-            m["train/old_logprob_s"] = 0.0
-        else:
-            m = self._update(batch, n_micro, t0)
+        m = self._update(batch, n_micro, t0, pad_only)
         trim_heap()  # a padding step allocates activations too
         return {**m, "train/busy_s": time.perf_counter() - t0, "train/rss_gb": _rss_mb() / 1024.0}
 
-    def _update(self, batch: TrainBatch, n_micro: int, t0: float) -> dict[str, float]:
-        """`rl_step` on a rank with real rows: the R2 pass and reference logprobs it needs, the update, the critic's."""
+    def _update(self, batch: TrainBatch, n_micro: int, t0: float, pad_only: bool = False) -> dict[str, float]:
+        """`rl_step`'s passes: the R2 pass and reference logprobs it needs, the update, the critic's.
+
+        Every rank makes the same passes through the (possibly ZeRO-3) engines, a padding-only rank
+        (`pad_only`: fewer micro-batches than ranks) included: under ZeRO-3 each forward and backward
+        gathers parameters collectively, so a pass that one rank skips leaves the other waiting on a
+        collective its peer never joins (a padding rank that skipped the R2 pass below took the 2-rank
+        run down). Which passes run depends only on what every shard shares: the step's `routes_from`,
+        whether the batch brings reference logprobs, whether a reference and a critic are loaded.
+        The reference itself is a plain module in each process (no collectives): a padding rank skips it."""
         needs_ref = self.t.reference is not None and batch.ref_logprobs_BT is None
         t_old = 0.0
         if needs_ref and self.t.routing_mode(batch) == "r2" and batch.routed_experts_BTLK is None:
-            old_lp, routes = self.t.compute_logprobs(batch, n_micro)
+            old_lp, routes = self.t.compute_logprobs(batch, n_micro, pad_only)
             t_old = time.perf_counter() - t0
-            batch = batch.with_(old_logprobs_BT=old_lp)
-            if routes is not None:
-                batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
+            if not pad_only:
+                batch = batch.with_(old_logprobs_BT=old_lp)
+                if routes is not None:
+                    batch = batch.with_(routed_experts_BTLK=routes, routes_from="trainer")
         extra: dict[str, float] = {}
-        if needs_ref:
+        if needs_ref and not pad_only:
             t1 = time.perf_counter()
             batch = batch.with_(ref_logprobs_BT=self.t.reference_logprobs(batch))
             extra["train/ref_logprob_s"] = time.perf_counter() - t1
-        m = self.t.train_step(batch, n_micro)
+        m = self.t.train_step(batch, n_micro, pad_only)
         if self.critic is not None and batch.returns_BT is not None:
-            extra.update(self.critic.value_step(batch, n_micro))
+            extra.update(self.critic.value_step(batch, n_micro, pad_only))
         return {**m, **extra, "train/old_logprob_s": t_old}
 
     def values(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False):

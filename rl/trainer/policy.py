@@ -358,6 +358,8 @@ class PolicyTrainer:
                 tele.add(pack.tokens(mb.domains) if pack is not None else mb, routes_LNK.detach(),
                          [lg.detach() for lg in router_logits], replayed=replay is not None,
                          fresh_routes_LNK=hooks.fresh_LNK() if hooks is not None and replay is not None else None)
+            elif padding and tele is not None and routes_LNK is not None:
+                tele.add_padding(mb.domains, routes_LNK)
             # The objective's weights come from the whole step batch, so micro-batch losses just add up.
             # Packed, the router terms average over the tree's nodes: a shared prompt token counts once.
             loss, m = self.objective(lp, mb, router_logits, routes_LNK,
@@ -385,8 +387,10 @@ class PolicyTrainer:
         self._expert_bias_step()
         self.step_count += 1
         self.version += 1
-        if tele is not None and not pad_only:
-            metrics.update(tele.finish())  # per-domain expert load, router entropy, replay mismatch
+        if tele is not None:  # every rank: `finish` all-reduces over the ranks
+            moe = tele.finish()  # per-domain expert load, router entropy, replay mismatch
+            if not pad_only:
+                metrics.update(moe)
         if not pad_only and fwd_lp:
             from rl.algos.kl import kl_per_token
             from rl.observe.telemetry import logprob_gap_metrics
