@@ -120,11 +120,12 @@ def test_attack_is_rejected_before_it_runs(backend, toolz_task, carrier, payload
 
 @pytest.mark.slow
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
-@pytest.mark.parametrize("carrier", ["annotation_string", "body_code"])
+@pytest.mark.parametrize("carrier", ["module_annotation", "body_code"])
 def test_attack_is_refused_at_run_time_without_the_static_check(backend, toolz_task, monkeypatch, carrier, payload):
-    """Each layer on its own: with every edit accepted and the agent's file run as it is, the
-    worker refuses the evaluation of the code string (typing's compile of a non-type expression)
-    or the payload's first step from library code, reports it, and the episode scores 0."""
+    """Each layer on its own: with every edit accepted and the agent's file run as it is (helper
+    and call included), the worker refuses the evaluation of the annotation (typing compiling a
+    string that is not a type expression) or the payload's first step from library code (a
+    process-module import, an audited call), reports it, and the episode scores 0."""
     monkeypatch.setattr(E, "check_edits", lambda *a, **k: E.EditCheck())
     g = episode(backend, toolz_task, carrier_calls(carrier, payload, toolz_task))
     assert g.error is None, g.error
