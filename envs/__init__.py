@@ -11,13 +11,14 @@
 See docs/envs.md. Heavy modules (datasets, sandbox backends) are imported only when used.
 """
 from envs.base import Domain, Env, EnvSetupError, EnvUsageError, ToolEnv, ToolInvocation, ToolOutput, clip_observation
-from envs.registry import SPLITS, EnvSpec, discovery_errors, generate_tasks, list_envs, make, register, spec, tasks
+from envs.registry import (SPLITS, EnvSpec, discovery_errors, generate_tasks, list_envs, load_plugins, make, register, spec,
+                           tasks)
 from envs.tools import ToolArgError, ToolContext, tool
 from jointrl.records import Grade, Limits, Message, StepResult, Task, ToolCall
 
 __all__ = [
     "Domain", "Env", "EnvSetupError", "EnvSpec", "EnvUsageError", "Grade", "Limits", "Message", "SPLITS",
     "StepResult", "Task", "ToolArgError", "ToolCall", "ToolContext", "ToolEnv", "ToolInvocation", "ToolOutput",
-    "clip_observation", "discovery_errors", "generate_tasks", "list_envs", "make", "register", "spec", "tasks",
+    "clip_observation", "discovery_errors", "generate_tasks", "list_envs", "load_plugins", "make", "register", "spec", "tasks",
     "tool",
 ]

@@ -108,6 +108,45 @@ def _discover() -> None:
             except Exception as e:  # noqa: BLE001 - a broken plug-in is skipped and reported
                 _DISCOVERY_ERRORS[ep.name] = f"{type(e).__name__}: {e}"
                 log.warning("environment plug-in %r (%s) failed to load: %s", ep.name, ep.value, e)
+        load_plugins([p for p in os.environ.get(PLUGINS_ENV, "").split(os.pathsep) if p])
+
+
+PLUGINS_ENV = "JOINTRL_ENV_PLUGINS"  # os.pathsep-separated plug-ins (files or modules), loaded at discovery
+_LOADED_PLUGINS: set[str] = set()
+
+
+def load_plugins(plugins: Sequence[str]) -> None:
+    """Register the domains of plug-ins that are neither built in nor packaged: each a path to a .py file or an
+    importable module name; after import, its `register()` is called when it has one. This is how a domain in
+    the author's own file joins without editing tracked files or packaging an entry point (`envs.plugins` in a
+    run config, or $JOINTRL_ENV_PLUGINS for `jointrl envs check|play|list`). A plug-in that fails is skipped and
+    reported in `discovery_errors()`, like a broken entry point. Loading one twice is a no-op."""
+    import importlib
+    import importlib.util
+
+    for spec_text in plugins:
+        key = str(Path(spec_text).resolve()) if spec_text.endswith(".py") else spec_text
+        with _LOCK:
+            if key in _LOADED_PLUGINS:
+                continue
+            _LOADED_PLUGINS.add(key)
+        try:
+            if spec_text.endswith(".py"):
+                path = Path(key)
+                if not path.is_file():
+                    raise FileNotFoundError(f"no such plug-in file {spec_text!r}")
+                name = f"jointrl_env_plugin_{path.stem}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+                spec = importlib.util.spec_from_file_location(name, path)
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[name] = mod
+                spec.loader.exec_module(mod)
+            else:
+                mod = importlib.import_module(spec_text)
+            if callable(getattr(mod, "register", None)):
+                mod.register()
+        except Exception as e:  # noqa: BLE001 - a broken plug-in is skipped and reported
+            _DISCOVERY_ERRORS[f"plugin:{spec_text}"] = f"{type(e).__name__}: {e}"
+            log.warning("environment plug-in %r failed to load: %s", spec_text, e)
 
 
 def discovery_errors() -> dict[str, str]:

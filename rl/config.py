@@ -143,6 +143,10 @@ class EnvsSection:
     dump_temperature: float = 0.1  # softmax temperature from UCB scores to weights
     default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})  # the tier of a domain's tasks that carry none (a task's own tier wins)
     sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
+    # Domains from the author's own files or modules, neither built in nor packaged: each a path to a .py file
+    # (relative to the working directory) or a module name, imported before env ids are checked; its
+    # `register()` registers the domain (docs/envs.md, "Writing a domain"). Also $JOINTRL_ENV_PLUGINS.
+    plugins: list[str] = field(default_factory=list)
     max_turns: int = 8
     seed: int = 0
 
@@ -632,7 +636,16 @@ def _validate_model_names(cfg: RunConfig) -> None:
 def _validate_env_ids(cfg: RunConfig) -> None:
     """Every weighted domain's `envs.env_ids` entry is a registered environment (with the nearest id suggested)."""
     import envs
+    from envs.registry import PLUGINS_ENV
 
+    if cfg.envs.plugins:
+        envs.load_plugins(cfg.envs.plugins)
+        failed = {k: v for k, v in envs.discovery_errors().items() if k.startswith("plugin:") and k[7:] in cfg.envs.plugins}
+        if failed:
+            raise ConfigError(f"config key 'envs.plugins': {'; '.join(f'{k[7:]}: {v}' for k, v in failed.items())}")
+        have = [p for p in os.environ.get(PLUGINS_ENV, "").split(os.pathsep) if p]
+        os.environ[PLUGINS_ENV] = os.pathsep.join(dict.fromkeys(have + [str(Path(p).resolve()) if p.endswith(".py") else p
+                                                                          for p in cfg.envs.plugins]))  # child processes too
     known = [s.env_id for s in envs.list_envs()]
     for d, w in cfg.envs.weights.items():
         env_id = cfg.envs.env_ids.get(d)
