@@ -41,3 +41,51 @@ def random_qwen3_moe(hidden: int = 64, moe_inter: int = 32, seed: int = 0):
         for p in m.parameters():
             p.normal_()
     return m
+
+
+LONG_ENV = "terminal-longhorizon-v0"
+
+
+def long_task(i: int = 0, split: str = "train"):
+    """Task i of the long-horizon rung's split (seed 0)."""
+    import envs
+    from jointrl.records import Task
+
+    return Task.from_row(envs.tasks(LONG_ENV, split, seed=0, n=i + 1)[i])
+
+
+class TrailPolicy:
+    """Answers each request with the next reference call, or with `summary(k)` (k: calls made so far) when the
+    context ends with the summary request. Records (prompt, generated, logprobs) of every request."""
+
+    def __init__(self, codec, task, summary=None):
+        import envs
+        from envs.base import messages_for_calls
+
+        self.codec = codec
+        self.calls = messages_for_calls(envs.make(LONG_ENV).reference(task))
+        self.k = 0
+        self.summary = summary or (lambda k: f"I have read {k} logs; the last call holds my tally.")
+        self.seen: list[tuple[list[int], list[int], list[float]]] = []
+
+    async def __call__(self, reqs):
+        from jointrl.records import Message
+        from rl.rollout.context import SUMMARY_REQUEST
+        from rl.rollout.engine import GenerateResult
+
+        out = []
+        for r in reqs:
+            tail = self.codec.tokenizer.decode(list(r.prompt_token_ids[-120:]), skip_special_tokens=False)
+            if SUMMARY_REQUEST[-40:] in tail:
+                msg = Message(role="assistant", content=self.summary(self.k))
+            else:
+                msg, self.k = self.calls[min(self.k, len(self.calls) - 1)], self.k + 1
+            if "<|" in msg.content:  # special-token *text*, written with ordinary tokens (a real engine stops at the real one)
+                ids = self.codec.tokenizer.encode(msg.content, add_special_tokens=False, split_special_tokens=True)
+                ids = ids[: r.max_tokens - 1] + [self.codec.end_token_id]
+            else:
+                ids = self.codec.completion_ids([Message(role="user", content=".")], msg, None)[: r.max_tokens]
+            lps = [-0.01 * (1 + (len(self.seen) + j) % 7) for j in range(len(ids))]
+            self.seen.append((list(r.prompt_token_ids), list(ids), lps))
+            out.append(GenerateResult(token_ids=tuple(ids), logprobs=tuple(lps), finish_reason="stop"))
+        return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -18,15 +17,15 @@ import torch
 
 import envs
 import model.chat as chat
-from envs.base import messages_for_calls
 from jointrl.records import Message, Task
 from rl.rollout.agent_loop import BatchingGenerator, LoopSettings, run_episode
 from rl.rollout.codec import make_codec
-from rl.rollout.context import SUMMARY_REQUEST, CompactionView, ContextSettings, Reply, summary_message
-from rl.rollout.engine import GenerateResult
+from rl.rollout.context import CompactionView, ContextSettings, Reply, summary_message
 from rl.types import Episode, RolloutGroup, segments_of
+from tests.rl.rollout.rollout_helpers import LONG_ENV as ENV
+from tests.rl.rollout.rollout_helpers import TrailPolicy
+from tests.rl.rollout.rollout_helpers import long_task as _task
 
-ENV = "terminal-longhorizon-v0"
 LEN = 1024
 
 
@@ -34,40 +33,6 @@ LEN = 1024
 def codecs():
     return {"jointrl": make_codec("jointrl", None),
             "hf": make_codec("hf", chat.TOKENIZER_DIR, tool_parser="hermes", reasoning_parser="deepseek_r1")}
-
-
-def _task(i: int = 0, split: str = "train") -> Task:
-    return Task.from_row(envs.tasks(ENV, split, seed=0, n=i + 1)[i])
-
-
-class TrailPolicy:
-    """Answers each request with the next reference call, or with `summary(k)` (k: calls made so far) when the
-    context ends with the summary request. Records (prompt, generated, logprobs) of every request."""
-
-    def __init__(self, codec, task: Task, summary=None):
-        self.codec = codec
-        self.calls = messages_for_calls(envs.make(ENV).reference(task))
-        self.k = 0
-        self.summary = summary or (lambda k: f"I have read {k} logs; the last call holds my tally.")
-        self.seen: list[tuple[list[int], list[int], list[float]]] = []
-
-    async def __call__(self, reqs):
-        out = []
-        for r in reqs:
-            tail = self.codec.tokenizer.decode(list(r.prompt_token_ids[-120:]), skip_special_tokens=False)
-            if SUMMARY_REQUEST[-40:] in tail:
-                msg = Message(role="assistant", content=self.summary(self.k))
-            else:
-                msg, self.k = self.calls[min(self.k, len(self.calls) - 1)], self.k + 1
-            if "<|" in msg.content:  # special-token *text*, written with ordinary tokens (a real engine stops at the real one)
-                ids = self.codec.tokenizer.encode(msg.content, add_special_tokens=False, split_special_tokens=True)
-                ids = ids[: r.max_tokens - 1] + [self.codec.end_token_id]
-            else:
-                ids = self.codec.completion_ids([Message(role="user", content=".")], msg, None)[: r.max_tokens]
-            lps = [-0.01 * (1 + (len(self.seen) + j) % 7) for j in range(len(ids))]
-            self.seen.append((list(r.prompt_token_ids), list(ids), lps))
-            out.append(GenerateResult(token_ids=tuple(ids), logprobs=tuple(lps), finish_reason="stop"))
-        return out
 
 
 def _run(codec, strategy: str, *, task: Task | None = None, keep_turns: int = 0, budget: int = 0, summary=None,

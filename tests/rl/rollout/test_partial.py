@@ -2,7 +2,7 @@
 a later step under newer weights, every token keeps the version that generated it, and the TIS weights of the
 update compare each token with that version's logprob.
 
-The engine double plays the long-horizon rung's reference (tests/rl/rollout/test_context.py's TrailPolicy) and
+The engine double plays the long-horizon rung's reference (tests/rl/rollout/rollout_helpers.py: TrailPolicy) and
 reports logprobs that depend on its current "weights version", as a real engine's would after a sync; the env,
 codec, agent loop, scheduler, collation and the TIS function are the real ones.
 """
@@ -24,7 +24,9 @@ from rl.rollout.engine import GenerateResult
 from rl.rollout.partial import PartialRollouts
 from rl.trainer.batch import collate
 from rl.types import Episode, RolloutGroup, segments_of
-from tests.rl.rollout.test_context import ENV, TrailPolicy, _task
+from tests.rl.rollout.rollout_helpers import LONG_ENV as ENV
+from tests.rl.rollout.rollout_helpers import TrailPolicy
+from tests.rl.rollout.rollout_helpers import long_task as _task
 
 LP = {0: -0.5, 1: -0.1, 2: -0.3}  # the logprob every token gets under weights version v
 
