@@ -9,13 +9,15 @@ domains, `expand(<the question>)` in polynomial_multiplication, digit-free arith
 numbers (`6*4*1*1` solves every puzzle), and coin_flip's partial credit for a matching prefix pays `0`
 about 0.9 on every question.
 
-So each such domain gets a rule here, applied by `domain.py` before the judge is asked:
+So each such domain gets a rule here, applied by `domain.py` around the judge:
 - `OWN_SCORERS`: the project scores the answer itself from a strict grammar (no evaluation of the
   answer as code anywhere): puzzle24, countdown (arithmetic over the task's numbers, exact rational
   value), coin_flip (a number or a fraction, within the scorer's tolerance, no prefix credit).
 - `GATES`: the answer must pass an allow-listed grammar before reasoning-gym's scorer may see it (a
   sympy expression over the task's variables and elementary functions; a list / tuple literal); an
   answer the gate refuses scores 0 (`answer_refused`) and never reaches `eval`.
+- `ALL_OR_NOTHING`: scorers whose partial credit one constant answer collects on most tasks; only a full
+  score counts.
 
 Every grammar is bounded (characters, nesting depth, node count, literal size, exponents) before any
 parse, so a crafted answer costs microseconds. What this module does not do: sandbox anything (the judge
@@ -352,6 +354,12 @@ def polynomial_gate(answer: str, entry: Mapping[str, Any]) -> None:
     variables = entry["metadata"].get("variables") or ()
     check_symbolic(answer, frozenset(str(v) for v in variables), functions=frozenset())
 
+
+# Scorers whose partial credit a constant collects: per-cell credit on grids that are mostly one value
+# (game_of_life: an all-dead grid earned 0.96 on held-out), per-cell credit against a fixed sudoku
+# (mini_sudoku: 0.30), credit for closeness to a duration (time_intervals: 0.42 for one fixed duration).
+# For these only a full score counts; anything less is 0.
+ALL_OR_NOTHING = frozenset({"game_of_life", "mini_sudoku", "time_intervals"})
 
 OwnScorer = Callable[[str, Mapping[str, Any]], float]
 Gate = Callable[[str, Mapping[str, Any]], None]

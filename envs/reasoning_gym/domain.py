@@ -10,7 +10,8 @@ Two answer modes over the same tasks:
 Grading (`check`) runs after the episode, in the framework's grading phase. For the datasets whose
 scorer would evaluate the answer as code, `answers.py` decides first: it scores the answer itself from a
 strict grammar (`OWN_SCORERS`: puzzle24, countdown, coin_flip), or refuses an answer outside the
-dataset's grammar with 0 (`GATES`, metric `answer_refused`). Every other answer goes with the task's item
+dataset's grammar with 0 (`GATES`, metric `answer_refused`); for `ALL_OR_NOTHING` datasets only a full score
+counts (their partial credit is collected by constants). Every other answer goes with the task's item
 reference to the judge process (`judge.py`), which calls that dataset's `score_answer`. Neither the
 answer tool nor anything the policy can reach scores an answer, so no reward signal leaks into the
 episode. Reward = the score (reasoning-gym's scores lie in [0, 1]; some give partial credit). No answer,
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from envs.base import Domain, ToolEnv, ToolInvocation
-from envs.reasoning_gym.answers import GATES, OWN_SCORERS, AnswerRefused
+from envs.reasoning_gym.answers import ALL_OR_NOTHING, GATES, OWN_SCORERS, AnswerRefused
 from envs.reasoning_gym.judge import MAX_ANSWER_CHARS, ItemRef, Judge, shared_judge
 from envs.reasoning_gym.judge_worker import decode_entry
 from envs.tools import tool
@@ -80,7 +81,8 @@ class _RGBase(Domain):
                                      entry_json=str(p["entry"])), answer)
         if v.outcome != "scored":
             metrics[v.outcome] = 1.0
-        return {"score": v.score, **metrics, "answered": 1.0}
+        score = v.score if name not in ALL_OR_NOTHING or v.score >= 1.0 else 0.0
+        return {"score": score, **metrics, "answered": 1.0}
 
     def reference(self, task: Task) -> list[ToolInvocation]:
         return [ToolInvocation("answer", {"text": str(task.private["reference"])})]

@@ -201,6 +201,11 @@ def serve_generation() -> None:
     """The generator child's loop: one request line in, one reply line out (`Generator.rows`)."""
     if not hash_fixed():
         raise SystemExit("serve_generation needs PYTHONHASHSEED=0")
+    # Some generators print (bf writes dots to stdout): the replies get a descriptor of their own, and
+    # fd 1 goes where stderr goes.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     for line in sys.stdin:
         try:
             req = json.loads(line)
@@ -209,8 +214,8 @@ def serve_generation() -> None:
             reply: dict = {"rows": rows}
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
             reply = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 @lru_cache(maxsize=None)  # one function per dataset, so registering twice is a no-op
