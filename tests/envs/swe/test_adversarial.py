@@ -160,15 +160,19 @@ def test_runtime_guard_refuses_frame_access_that_slipped_past_validation(backend
 
 
 @pytest.mark.slow
-def test_library_gadget_that_imports_by_name_is_refused(backend, small):
-    """toolz's own unpickling helper imports and walks whatever name it is given: an edit calling
-    it with a name built at run time passes static validation, and the worker refuses the import."""
+def test_library_gadget_that_imports_by_name_is_refused(backend, small, monkeypatch):
+    """toolz's own unpickling helper imports and walks whatever name it is given: a new call to
+    it is rejected (it looks names up from strings), and with validation off the worker refuses
+    the import of a name built at run time."""
     task = task_of(next(i for i in small if i.library == "toolz"))
     tail = '    >>> identity(3)\n    3\n    """\n    return x\n'
     call = "    _restore_curry(None, '_py' + 'test.python:Function', (), {}, {}, True)\n"
     edit = {"path": PATH, "old": tail, "new": tail.replace("    return x", call + "    return x")}
     g = episode(backend, task, [ToolInvocation("str_replace", edit)]).grade
-    assert g.metrics["check/edit_rejected"] == 0.0  # the static check cannot see the name
+    assert g.reward == 0.0 and g.metrics["check/edit_rejected_forbidden"] == 1.0
+    monkeypatch.setattr(E, "check_edits", lambda *a, **k: E.EditCheck())
+    g = episode(backend, task, [ToolInvocation("str_replace", edit)]).grade
+    assert g.metrics["check/edit_rejected"] == 0.0
     assert g.reward == 0.0 and g.metrics["check/runtime_denied"] >= 1.0 and g.metrics["check/tampered"] == 1.0
 
 
