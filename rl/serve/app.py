@@ -32,6 +32,7 @@ from starlette.requests import Request  # module level: FastAPI resolves the han
 from rl.log import get_logger
 from rl.serve import anthropic as anth
 from rl.serve import openai as oai
+from rl.serve import responses as resp
 from rl.serve.codec import ServeCodec, build_codec
 from rl.serve.core import MAX_JSON_DEPTH, ApiError, bad, check_body_tree
 from rl.serve.records import Recorder
@@ -54,8 +55,9 @@ CHAT_BODY_SCHEMA = {
             "tool_calls": {"type": "array", "items": {"type": "object"}}, "tool_call_id": {"type": "string"},
             "reasoning_content": {"type": ["string", "null"]}}}},
         "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
-        "thinking_budget": {"anyOf": [{"type": "string", "enum": ["low", "high", "max"]}, {"type": "integer"}]},
-        "reasoning_effort": {"type": "string"}, "extra_body": {"type": "object"},
+        "thinking_budget": {"anyOf": [{"type": "string", "enum": ["minimal", "low", "medium", "high", "max"]}, {"type": "integer"}]},
+        "reasoning_effort": {"type": "string", "enum": ["minimal", "low", "medium", "high", "max"]}, "extra_body": {"type": "object"},
+        "top_logprobs": {"type": "integer"},
         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}, "temperature": {"type": "number"},
         "top_p": {"type": "number"}, "seed": {"type": "integer"}, "n": {"type": "integer"}, "stop": {},
         "stream": {"type": "boolean"}, "stream_options": {"type": "object"}, "logprobs": {"type": "boolean"},
@@ -76,6 +78,22 @@ MESSAGES_BODY_SCHEMA = {
         "thinking_budget": {"anyOf": [{"type": "string", "enum": ["low", "high", "max"]}, {"type": "integer"}]},
         "stop_sequences": {"type": "array", "items": {"type": "string"}}, "temperature": {"type": "number"},
         "top_p": {"type": "number"}, "stream": {"type": "boolean"}, "metadata": {"type": "object"},
+    },
+}
+
+RESPONSES_BODY_SCHEMA = {
+    "type": "object", "required": ["input"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "properties": {
+            "type": {"type": "string", "enum": ["message", "function_call", "function_call_output", "reasoning"]},
+            "role": {"type": "string", "enum": ["user", "system", "developer", "assistant"]}, "content": _MSG_CONTENT,
+            "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"}, "output": {"type": "string"}}}}]},
+        "instructions": {"type": "string"}, "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
+        "reasoning": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["minimal", "low", "medium", "high", "max"]}}},
+        "max_output_tokens": {"type": "integer"}, "temperature": {"type": "number"}, "top_p": {"type": "number"},
+        "stream": {"type": "boolean"}, "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
+        "include": {"type": "array", "items": {"type": "string"}}, "metadata": {"type": "object"},
     },
 }
 
@@ -205,6 +223,7 @@ def create_app(service: ChatService, api_key: str | None = None):
     app = FastAPI(title="jointrl serve", docs_url=None, redoc_url=None)
     settings = service.settings
     tool_args = anth.ArgumentTexts(settings.token_cache_entries)
+    response_store = resp.ResponseStore(settings.token_cache_entries)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -286,7 +305,7 @@ def create_app(service: ChatService, api_key: str | None = None):
         prep = service.prepare(req)
         return await reply(request, prep, "/v1/chat/completions",
                            lambda choices: oai.completion_json(prep.id, prep.created, req.model, prep.n_prompt, choices,
-                                                               service.tokenizer, req.logprobs),
+                                                               service.tokenizer, req.logprobs, req.top_logprobs),
                            lambda events: oai.sse_events(prep, events))
 
     @app.post("/v1/messages", openapi_extra=_body_spec(MESSAGES_BODY_SCHEMA))
@@ -296,6 +315,19 @@ def create_app(service: ChatService, api_key: str | None = None):
         prep = service.prepare(req)
         return await reply(request, prep, "/v1/messages", lambda choices: anth.message_json(prep, choices[0], tool_args),
                            lambda events: anth.sse_events(prep, events, tool_args))
+
+    @app.post("/v1/responses", openapi_extra=_body_spec(RESPONSES_BODY_SCHEMA))
+    async def responses(request: Request):
+        body = await read_json(request, settings.max_body_bytes)
+        call = resp.parse_responses_request(body, settings, service.model_names, service.codec, response_store)
+        prep = service.prepare(call.req)
+
+        def plain(choices: Any) -> Any:
+            c = choices[0]
+            resp.remember(response_store, prep, call, c)
+            return resp.response_json(prep, call, c, resp.output_items(resp.ItemIds.new(), c, call))
+
+        return await reply(request, prep, "/v1/responses", plain, lambda events: resp.sse_events(prep, call, events, response_store))
 
     @app.post("/v1/messages/count_tokens", openapi_extra=_body_spec({**MESSAGES_BODY_SCHEMA, "required": ["model", "messages"]}))
     async def count_tokens(request: Request):
@@ -328,9 +360,16 @@ def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
         name = model_or_ckpt
     else:
         path = Path(model_or_ckpt)
-        if not (path / "config.json").is_file():
-            raise ServeError(f"{model_or_ckpt!r} is neither a shipped model config {SHIPPED_CONFIGS} nor a checkpoint directory with config.json")
         name = path.resolve().name
+        if not path.is_dir():
+            pulled = pullable_checkpoint(model_or_ckpt)
+            if pulled is not None:
+                path, name = pulled, model_or_ckpt
+        if not (path / "config.json").is_file():
+            from model import hub
+
+            raise ServeError(f"{model_or_ckpt!r} is neither a shipped model config {SHIPPED_CONFIGS}, a pullable model {list(hub.names())} "
+                             "(`jointrl models list`) nor a checkpoint directory with config.json")
     cfg = json.loads((path / "config.json").read_text())
     is_hybrid = cfg.get("model_type") == "hybrid_moe" or "HybridMoeForCausalLM" in (cfg.get("architectures") or [])
     has_delta = "linear_attention" in (cfg.get("layer_types") or [])
@@ -338,6 +377,24 @@ def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
     if dtype == "auto":
         dtype = "bfloat16" if has_delta else "float32"  # vLLM's CPU delta-rule kernel requires bf16 (docs/platform.md)
     return PreparedModel(path=path, served_names=tuple(dict.fromkeys(settings.served_names)) or (name,), dtype=dtype, is_hybrid=is_hybrid)
+
+
+def pullable_checkpoint(name: str) -> Path | None:
+    """A pullable model's name (`jointrl models list`) -> its checkpoint directory, pulled on first use, by the
+    resolver `jointrl train` runs on `model.arch` (rl.config.resolve_pullable); None for any other name."""
+    import dataclasses
+
+    from model import hub
+    from rl.config import ConfigError, RunConfig, resolve_pullable
+
+    if name not in hub.names():
+        return None
+    cfg = RunConfig()
+    try:
+        resolved = resolve_pullable(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=name, reference=name)))
+    except ConfigError as e:
+        raise ServeError(str(e).replace("config key 'model.arch'", "MODEL")) from None
+    return Path(resolved.model.arch)
 
 
 def engine_config(prepared: PreparedModel, settings: ServeSettings, codec: ServeCodec) -> Any:

@@ -213,6 +213,11 @@ class ServeCodec:
             return head + json.dumps(name, ensure_ascii=False) + ', "arguments": '
         return head + '"'
 
+    @property
+    def call_close(self) -> str:
+        """What follows a forced call's JSON object: the closing marker of the layouts `forced_call_prefix` writes."""
+        return "\n" + (chat.TOOL_CALL_END_TOKEN if self.is_project_format else "</tool_call>")
+
     def refused_call_marker(self, mode: str, has_tools: bool) -> str | None:
         """With tool_choice none, the text at which a reply is cut (a tool call's opening), else None. The
         project format's parser reads calls whether or not the request sent tools; an hf parser only when it did."""

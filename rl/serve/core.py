@@ -27,7 +27,7 @@ from rl.serve.settings import EFFORTS, TIERS, ServeSettings
 if TYPE_CHECKING:
     from rl.serve.codec import ServeCodec
 
-Protocol_ = Literal["openai", "anthropic"]
+Protocol_ = Literal["openai", "anthropic", "responses"]
 IMAGES_REFUSED = ("image input is not supported by this server: the served model has no vision tower (image input is "
                   "HybridMoe's, in the project chat format) or the server runs with --max-images 0; send text only")
 
@@ -290,8 +290,11 @@ class Completion:
     engine_finish: str  # the last engine call's finish reason: stop / length / abort
     policy_version: int = 0
     stop_string: str | None = None  # the stop string that ended generation, if one did
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token (token id, logprob) alternatives, when asked for; () on forced tokens
 
     def __post_init__(self) -> None:
+        if self.top and len(self.top) != len(self.token_ids):
+            raise ValueError(f"Completion: {len(self.token_ids)} ids, {len(self.top)} top-logprob entries")
         if not len(self.token_ids) == len(self.logprobs) == len(self.loss_mask):
             raise ValueError(f"Completion: {len(self.token_ids)} ids, {len(self.logprobs)} logprobs, {len(self.loss_mask)} mask entries")
 
@@ -366,7 +369,8 @@ def finish_choice(index: int, comp: Completion, codec: "ServeCodec", req: ChatRe
         # Like a stop string in vLLM: the reply ends before it; the ids end with the token completing it
         # (tokens after it, generated in the same engine step, are dropped).
         keep = next(i + 1 for i, e in enumerate(ends) if e >= cut[1])
-        comp = replace(comp, token_ids=ids[:keep], logprobs=comp.logprobs[:keep], loss_mask=comp.loss_mask[:keep], engine_finish="stop")
+        comp = replace(comp, token_ids=ids[:keep], logprobs=comp.logprobs[:keep], loss_mask=comp.loss_mask[:keep], engine_finish="stop",
+                       top=comp.top[:keep])
         ids, ends = comp.token_ids, ends[:keep]
         text, finish, stop_string = text[: cut[0]], "stop", cut[2]
         if stop_string is None and text.endswith("\n"):  # the separator the format puts before a tool call
@@ -376,6 +380,17 @@ def finish_choice(index: int, comp: Completion, codec: "ServeCodec", req: ChatRe
     parse_ids = ids if cut is None else tokenizer.encode(text, add_special_tokens=False)
     parsed = codec.parse(parse_ids, turn, req.tools if req.tool_choice.mode != "none" else None)
     msg = parsed.message
+    errors = parsed.errors
+    if req.tools and msg.tool_calls:
+        # A call to a tool the request did not offer is no call a client can run: dropped and reported.
+        offered = {t["function"]["name"] for t in req.tools}
+        unknown = [c for c in msg.tool_calls if c.name not in offered]
+        if unknown:
+            kept = [replace(c, id=f"call_{turn}_{j}") for j, c in enumerate(c for c in msg.tool_calls if c.name in offered)]
+            msg = replace(msg, tool_calls=tuple(kept))
+            errors = errors + tuple(f"tool call to {c.name[:80]!r}, which is not among the request's tools {sorted(offered)}" for c in unknown)
+    if req.tool_choice.mode in ("required", "function") and not msg.tool_calls and finish != "length":
+        errors = errors + (f"tool_choice {req.tool_choice.mode!r}: the reply holds no valid call to the request's tools",)
     if req.tool_choice.mode == "none" and msg.tool_calls:
         msg = replace(msg, tool_calls=())  # cannot happen after the cut above; kept as a guarantee
     if msg.tool_calls and finish == "stop":
@@ -387,7 +402,7 @@ def finish_choice(index: int, comp: Completion, codec: "ServeCodec", req: ChatRe
     else:
         reasoning_tokens = len(ids) if msg.reasoning is not None and not msg.content and not msg.tool_calls else 0
     return Choice(index=index, completion=comp, text=text, message=msg, finish_reason=finish,  # type: ignore[arg-type]
-                  parse_errors=parsed.errors, reasoning_tokens=reasoning_tokens, token_ends=ends, stop_string=stop_string)
+                  parse_errors=errors, reasoning_tokens=reasoning_tokens, token_ends=ends, stop_string=stop_string)
 
 
 def thinking_signature(reasoning: str) -> str:

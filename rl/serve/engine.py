@@ -27,6 +27,19 @@ from rl.rollout.multimodal import engine_prompt
 
 
 @dataclass(frozen=True)
+class ServeRequest(GenerateRequest):
+    """A `GenerateRequest` with what serving adds: alternatives per token, and vLLM structured outputs
+    (tool_choice: `choice`, the generation is exactly one of these strings; `json_object`, a JSON object)."""
+
+    top_logprobs: int = 0
+    choice: tuple[str, ...] = ()
+    json_object: bool = False
+
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob) of one position, most likely first
+
+
+@dataclass(frozen=True)
 class StreamDelta:
     """New tokens of one request after one engine step; `finish_reason` is set on its last delta."""
 
@@ -36,6 +49,7 @@ class StreamDelta:
     finish_reason: str | None = None  # stop / length / abort
     policy_version: int = 0
     error: str | None = None  # the engine failed or shut down; no more deltas follow
+    top: tuple[TopLogprobs, ...] = ()  # per token, when the request asked for alternatives
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class StreamingEngine(RolloutEngine):
         self._streams: dict[str, Deliver] = {}
         self._aborts: list[str] = []
         self._abort_lock = threading.Lock()
+        self._want_top: set[str] = set()  # requests that asked for alternatives per token
         super().__init__(config)
 
     # -- streaming requests
@@ -78,7 +93,21 @@ class StreamingEngine(RolloutEngine):
                 sp.output_kind = RequestOutputKind.DELTA
                 self.llm.llm_engine.add_request(rid, prompts[rid], sp)
                 self._streams[rid] = deliver
+                if getattr(r, "top_logprobs", 0):
+                    self._want_top.add(rid)
             self._cv.notify_all()
+
+    def _sampling_params(self, r: GenerateRequest) -> Any:
+        sp = super()._sampling_params(r)
+        if isinstance(r, ServeRequest):
+            if r.top_logprobs:
+                sp.logprobs = r.top_logprobs
+            if r.choice or r.json_object:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                sp.structured_outputs = StructuredOutputsParams(choice=list(r.choice)) if r.choice else \
+                    StructuredOutputsParams(json_object=True)
+        return sp
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop these requests before the next engine step (returns at once; their KV blocks are freed then)."""
@@ -95,6 +124,7 @@ class StreamingEngine(RolloutEngine):
         with self._abort_lock:
             ids, self._aborts = self._aborts, []
         ids = [i for i in ids if self._streams.pop(i, None) is not None]
+        self._want_top.difference_update(ids)
         if ids:
             self.llm.llm_engine.abort_request(ids)
 
@@ -104,6 +134,7 @@ class StreamingEngine(RolloutEngine):
         for rid, deliver in self._streams.items():
             by_sink.setdefault(deliver, []).append(StreamDelta(rid, (), (), "abort", self.policy_version, error=why))
         self._streams.clear()
+        self._want_top.clear()
         for deliver, deltas in by_sink.items():
             deliver(deltas)
 
@@ -115,8 +146,12 @@ class StreamingEngine(RolloutEngine):
             if c.logprobs is None or len(c.logprobs) != len(ids):
                 raise EngineError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} logprob entries for {len(ids)} tokens")
             lps = tuple(float(step[t].logprob) for step, t in zip(c.logprobs, ids))
+        top: tuple[TopLogprobs, ...] = ()
+        if ids and out.request_id in self._want_top:  # alternatives were asked for (rank 1 = most likely)
+            top = tuple(tuple((int(t), float(lp.logprob)) for t, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)
+                              if lp.rank is not None and lp.rank >= 1) for step in c.logprobs)
         finish = (c.finish_reason or "abort") if out.finished else None
-        return StreamDelta(out.request_id, ids, lps, finish, self.policy_version)
+        return StreamDelta(out.request_id, ids, lps, finish, self.policy_version, top=top)
 
     def _step_loop(self) -> None:
         """Continuous batching over both kinds of request: futures (submit) and streams (open_streams)."""
@@ -153,6 +188,7 @@ class StreamingEngine(RolloutEngine):
                             d = StreamDelta(out.request_id, (), (), "abort", self.policy_version, error=str(e))
                         if d.finish_reason is not None:
                             del self._streams[out.request_id]
+                            self._want_top.discard(out.request_id)
                         by_sink.setdefault(deliver, []).append(d)
                         continue
                     self._resolve_finished(out)

@@ -272,11 +272,19 @@ def usage_json(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, Any]:
     }
 
 
-def _logprobs_json(c: Choice, tokenizer: TokenizerLike) -> dict[str, Any]:
+def _token_json(tokenizer: TokenizerLike, t: int, lp: float) -> dict[str, Any]:
+    s = tokenizer.decode([t], skip_special_tokens=False)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+
+def logprobs_json(c: Choice, tokenizer: TokenizerLike, top_logprobs: int = 0) -> dict[str, Any]:
+    """OpenAI's `logprobs.content`: per token its logprob and, when asked, the `top_logprobs` most likely
+    alternatives the engine saw at that position (vLLM's, most likely first)."""
     content = []
-    for t, lp in zip(c.completion.token_ids, c.completion.logprobs):
-        s = tokenizer.decode([t], skip_special_tokens=False)
-        entry: dict[str, Any] = {"token": s, "logprob": 0.0 if lp is None else lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+    tops = c.completion.top or ((),) * len(c.completion.token_ids)
+    for t, lp, top in zip(c.completion.token_ids, c.completion.logprobs, tops):
+        entry = _token_json(tokenizer, t, 0.0 if lp is None else lp)
+        entry["top_logprobs"] = [_token_json(tokenizer, a, alp) for a, alp in top[:top_logprobs]] if top_logprobs else []
         if lp is None:
             entry["forced"] = True  # appended by the server (tool_choice), not sampled
         content.append(entry)
@@ -284,7 +292,7 @@ def _logprobs_json(c: Choice, tokenizer: TokenizerLike) -> dict[str, Any]:
 
 
 def completion_json(rid: str, created: int, model: str, prompt_tokens: int, choices: Sequence[Choice],
-                    tokenizer: TokenizerLike | None = None, with_logprobs: bool = False) -> dict[str, Any]:
+                    tokenizer: TokenizerLike | None = None, with_logprobs: bool = False, top_logprobs: int = 0) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -295,7 +303,7 @@ def completion_json(rid: str, created: int, model: str, prompt_tokens: int, choi
                 "index": c.index,
                 "message": message_json(c.message),
                 "finish_reason": c.finish_reason,
-                "logprobs": _logprobs_json(c, tokenizer) if (with_logprobs and tokenizer is not None) else None,
+                "logprobs": logprobs_json(c, tokenizer, top_logprobs) if (with_logprobs and tokenizer is not None) else None,
                 "parse_errors": list(c.parse_errors),
             }
             for c in choices

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -167,10 +169,23 @@ class _ChoiceState:
     ids: list[int]
     logprobs: list[float | None]
     mask: list[int]
+    top: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)  # per token, when alternatives were asked for
     sent_reasoning: str = ""
     sent_content: str = ""
     text: str = ""  # decoded ids[:decoded] (whole characters)
     decoded: int = 0
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float | None], mask: int, top: Sequence[Any] = ()) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [mask] * len(ids)
+        self.top += list(top) if top else [()] * len(ids)
+
+    def drop_last(self) -> None:
+        """Remove the last token (a structured phase's forced end of text); the decoded text is rebuilt."""
+        for seq in (self.ids, self.logprobs, self.mask, self.top):
+            seq.pop()
+        self.text, self.decoded = "", 0
 
     def decode(self, tokenizer: Any) -> str:
         """The text of the ids so far, decoding only the new ones (byte-level BPE: a whole-character suffix
@@ -265,7 +280,7 @@ class ChatService:
             budget = None  # a budget the reply cannot reach caps nothing (and the engine never sees a huge number)
         cut = codec.refused_call_marker(mode, bool(req.tools))
         watch = (cut,) if cut is not None and codec.tool_call_start_id is None else ()
-        prefix = "msg_" if req.protocol == "anthropic" else "chatcmpl-"
+        prefix = {"anthropic": "msg_", "responses": "resp_"}.get(req.protocol, "chatcmpl-")
         return Prepared(f"{prefix}{uuid.uuid4().hex[:24]}", int(time.time()), req, rendered, prompt, max_tokens, budget, watch,
                         images)
 
@@ -368,9 +383,10 @@ class ChatService:
                     if d.token_ids:
                         if not first:
                             first.append(time.perf_counter() - t0)
-                        st.ids += d.token_ids
-                        st.logprobs += d.logprobs if sampled else [None] * len(d.token_ids)
-                        st.mask += [1 if sampled else 0] * len(d.token_ids)
+                        if sampled:
+                            st.append(d.token_ids, d.logprobs, 1, d.top)
+                        else:
+                            st.append(d.token_ids, [None] * len(d.token_ids), 0)
                         self.metrics.count_tokens(len(d.token_ids))
                     if d.finish_reason is not None:
                         done = True
@@ -399,8 +415,10 @@ class ChatService:
 
     async def _choice(self, st: _ChoiceState, prep: Prepared, out: asyncio.Queue, t0: float, first: list[float]) -> Completion:
         """One choice: generate; for tool_choice required / named, write the call's opening (mask 0) once
-        thinking ends (at once for a format without a thinking block) and let the model finish the call."""
-        from rl.rollout.engine import GenerateRequest
+        thinking ends (at once for a format without a thinking block), then the call itself under vLLM's
+        structured outputs: the name one of the request's tools (a `choice` over them; written by the
+        server when only one can be meant), the arguments a JSON object; the server closes the call."""
+        from rl.serve.engine import ServeRequest
 
         req, codec = prep.req, self.codec
         force = req.tool_choice.mode in ("required", "function")
@@ -415,27 +433,55 @@ class ChatService:
         def seed(phase: int) -> int | None:
             return None if req.seed is None else engine_seed(req.seed, phase, st.index)
 
-        def generate(prompt: tuple[int, ...], max_tokens: int, stop_ids: tuple[int, ...], budget: int | None, phase: int) -> Any:
-            return GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                   stop_token_ids=stop_ids, thinking_budget=budget, seed=seed(phase), images=prep.images)
+        def generate(max_tokens: int, stop_ids: tuple[int, ...], budget: int | None, phase: int, **structured: Any) -> Any:
+            return ServeRequest(prompt_token_ids=prep.prompt.token_ids + tuple(st.ids), max_tokens=max_tokens, temperature=req.temperature,
+                                top_p=req.top_p, stop_token_ids=stop_ids, thinking_budget=budget, seed=seed(phase), images=prep.images,
+                                top_logprobs=req.top_logprobs, **structured)
 
-        prompt = prep.prompt.token_ids
+        def force_text(text: str) -> bool:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if prep.max_tokens - len(st.ids) - len(ids) <= 0:
+                return False
+            st.append(ids, [None] * len(ids), 0)
+            return True
+
         finish, version, stop = "length", self.engine.policy_version, None
         if not force or think_first:
-            finish, version, stop = await self._phase(generate(prompt, prep.max_tokens, stops, prep.thinking_budget, 0),
-                                                      st, prep, True, out, t0, first)
-        thought = bool(st.ids) and st.ids[-1] == codec.reasoning_end_id and finish == "stop" and stop is None
-        if force and (thought or not think_first):
-            text = codec.forced_call_prefix(req.tool_choice.name, after_reasoning=think_first)
-            forced = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-            room = prep.max_tokens - len(st.ids) - len(forced)
-            if room > 0:
-                st.ids += forced
-                st.logprobs += [None] * len(forced)
-                st.mask += [0] * len(forced)
-                finish, version, stop = await self._phase(generate(prompt + tuple(st.ids), room, codec.stop_token_ids, None, 1),
-                                                          st, prep, True, out, t0, first)
-        return Completion(tuple(st.ids), tuple(st.logprobs), tuple(st.mask), finish, version, stop)
+            finish, version, stop = await self._phase(generate(prep.max_tokens, stops, prep.thinking_budget, 0), st, prep, True, out, t0, first)
+        if not force:
+            return self._completion(st, finish, version, stop)
+        if think_first:
+            if not (st.ids and finish == "stop" and stop is None):
+                return self._completion(st, finish, version, stop)  # cut by length or a stop string: no room for a call
+            if st.ids[-1] != codec.reasoning_end_id:  # the model ended its turn inside thinking: close thinking for it
+                st.drop_last()
+                st.append([codec.reasoning_end_id], [None], 0)
+        names = [t["function"]["name"] for t in req.tools or ()]
+        name = req.tool_choice.name or (names[0] if len(names) == 1 else None)
+        if not force_text(codec.forced_call_prefix(name, after_reasoning=think_first)):
+            return self._completion(st, "length", version, stop)
+        end_ids = set(codec.stop_token_ids) | {getattr(self.tokenizer, "eos_token_id", None)}
+        if name is None:  # the model picks one of the request's tools, and only one of them
+            choices = tuple(json.dumps(n, ensure_ascii=False)[1:] + ', "arguments": ' for n in names)
+            finish, version, stop = await self._phase(generate(prep.max_tokens - len(st.ids), codec.stop_token_ids, None, 1, choice=choices),
+                                                      st, prep, False, out, t0, first)
+            if finish != "stop":
+                return self._completion(st, finish, version, stop)
+            if st.ids[-1] in end_ids:
+                st.drop_last()
+        finish, version, stop = await self._phase(generate(prep.max_tokens - len(st.ids), codec.stop_token_ids, None, 2, json_object=True),
+                                                  st, prep, True, out, t0, first)
+        if finish == "stop" and stop is None:
+            if st.ids and st.ids[-1] in end_ids:
+                st.drop_last()  # the grammar's end of text: the server closes the call and the turn
+            if force_text("}" + codec.call_close):
+                st.append([codec.end_token_id], [None], 0)
+        return self._completion(st, finish, version, stop)
+
+    @staticmethod
+    def _completion(st: _ChoiceState, finish: str, version: int, stop: str | None) -> Completion:
+        return Completion(tuple(st.ids), tuple(st.logprobs), tuple(st.mask), finish, version, stop,
+                          top=tuple(st.top) if any(st.top) else ())
 
     async def run(self, prep: Prepared, route: str = "") -> AsyncIterator[TextDelta | Finished]:
         """Stream one request's reply. Leaving the iteration early aborts its engine requests."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -266,11 +267,16 @@ def test_client_disconnect_aborts_the_engine_request(apps, route):
 # ----------------------------------------------------------------------------- auth, limits, metrics
 def test_every_route_needs_the_key(apps):
     base = apps["guarded"].base
-    routes = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", f"/v1/models/{NAME}"), ("GET", "/openapi.json"),
-              ("POST", "/v1/chat/completions"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("GET", "/nope")]
+    for headers in ({}, {"x-api-key": ""}, {"x-api-key": "wrong"}):  # probes need no key, and learn nothing without one
+        r = httpx.get(base + "/health", headers=headers, timeout=10)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert "kv_cache_usage" in httpx.get(base + "/health", headers={"x-api-key": KEY}, timeout=10).json()
+    routes = [("GET", "/metrics"), ("GET", "/v1/models"), ("GET", f"/v1/models/{NAME}"), ("GET", "/openapi.json"),
+              ("POST", "/v1/chat/completions"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+              ("GET", "/nope")]
     count = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
     for method, path in routes:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"x-api-key": ""}, {"Authorization": "Bearer"}):
             r = httpx.request(method, base + path, headers=headers, json=count if method == "POST" else None, timeout=30)
             assert r.status_code == 401, (path, headers, r.status_code)
             body = r.json()
@@ -370,3 +376,273 @@ def test_fuzz_routes_from_the_openapi_schema(apps):
     print(f"\nschemathesis: {calls[0]} generated requests over {len(ops)} operations")
     assert not failures, failures[:5]
     assert calls[0] >= 30
+
+
+# ----------------------------------------------------------------------------- hostile clients against the real engine
+def test_a_seed_out_of_range_is_refused_and_never_poisons_the_engine(apps):
+    """seed = 2**64 once reached the engine and failed every later request on both routes until restart."""
+    base = apps["open"].base
+    msgs = [{"role": "user", "content": "hi"}]
+    for seed in (2 ** 64, 2 ** 63, -(2 ** 63) - 1, 10 ** 30):
+        r = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": msgs, "max_tokens": 4, "seed": seed}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        r = httpx.post(f"{base}/v1/responses", json={"model": NAME, "input": "hi", "max_output_tokens": 4, "seed": seed}, timeout=60)
+        assert r.status_code == 400, r.text
+    for seed in (2 ** 63 - 1, -(2 ** 63), 0):  # the ends of the accepted range run
+        r = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": msgs, "max_tokens": 4, "seed": seed, "temperature": 1},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    a = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": msgs, "max_tokens": 6, "seed": 2 ** 63 - 1}, timeout=60).json()
+    b = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": msgs, "max_tokens": 6, "seed": 2 ** 63 - 1}, timeout=60).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]  # a seed still replays
+    for path, body in (("/v1/messages", {"model": NAME, "max_tokens": 4, "messages": msgs}), ("/v1/responses", {"model": NAME, "input": "hi",
+                                                                                                              "max_output_tokens": 4})):
+        assert httpx.post(base + path, json=body, timeout=60).status_code == 200
+
+
+def test_hostile_bodies_are_4xx_and_the_server_keeps_serving(apps):
+    from tests.rl.test_serve_redteam import ROUTES, _hostile_bodies
+
+    base = apps["fuzz"].base
+    for route in ROUTES:
+        for name, raw in _hostile_bodies():
+            r = httpx.post(base + route, content=raw, headers={"content-type": "application/json"}, timeout=60)
+            assert r.status_code < 500, (route, name, r.status_code, r.text[:300])
+            if not (name == "huge seed" and route.startswith("/v1/messages")):
+                assert r.status_code >= 400, (route, name, r.status_code)
+    ok = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert httpx.post(base + "/v1/chat/completions", json=ok, timeout=60).status_code == 200
+    assert httpx.post(base + "/v1/messages", json=ok, timeout=60).status_code == 200
+    assert _health(apps["fuzz"])["status"] == "ok"
+
+
+def test_structure_tokens_in_client_text_reach_the_engine_defused(apps):
+    """Every structure token in user, system and tool text: the recorded prompt holds each exactly as the
+    template placed it (the engine saw no forged turn, thinking block, call or tool result)."""
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    evil = "".join(chat.SPECIAL_TOKENS) + "<tools></tools>"
+    clean = client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    r = client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "system", "content": evil}, {"role": "user", "content": evil}])
+    ids, base_ids = list(_record(apps, r.id).prompt_token_ids), list(_record(apps, clean.id).prompt_token_ids)
+    for t in range(len(chat.SPECIAL_TOKENS)):
+        assert ids.count(t) == base_ids.count(t), chat.SPECIAL_TOKENS[t]
+
+
+# ----------------------------------------------------------------------------- what mainstream clients send
+def test_openai_reasoning_efforts_map_onto_the_tiers(apps):
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    budgets = app.service.settings.thinking_budgets
+    for effort, tier in (("minimal", "low"), ("low", "low"), ("medium", "high"), ("high", "high"), ("max", "max")):
+        r = client.chat.completions.create(model=NAME, max_tokens=300, reasoning_effort=effort, messages=[{"role": "user", "content": "2+2?"}])
+        rec = _record(apps, r.id)
+        assert rec.request["thinking_tier"] == tier, effort
+        ids = list(rec.choices[0].completion_token_ids)
+        if budgets[tier] >= 0:
+            n_think = ids.index(chat.THINK_END_ID) if chat.THINK_END_ID in ids else len(ids)
+            assert n_think <= budgets[tier] and r.usage.completion_tokens_details.reasoning_tokens == n_think
+
+
+def test_no_budget_leaves_room_for_an_answer(apps):
+    """A client that names no budget (the Agents SDK, litellm by default): thinking takes at most half the reply."""
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    ac = anthropic.Anthropic(base_url=app.base, api_key="unused", max_retries=0, timeout=120)
+    for max_tokens in (20, 41):
+        r = client.chat.completions.create(model=NAME, max_tokens=max_tokens, seed=3, messages=[{"role": "user", "content": "Think long."}])
+        m = ac.messages.create(model=NAME, max_tokens=max_tokens, messages=[{"role": "user", "content": "Think long."}])
+        for rid in (r.id, m.id):
+            ids = list(_record(apps, rid).choices[0].completion_token_ids)
+            if ids[-1] not in chat.STOP_TOKEN_IDS or chat.THINK_END_ID in ids:  # (a model may end its turn while thinking)
+                assert ids.index(chat.THINK_END_ID) <= max_tokens // 2
+
+
+def test_anthropic_route_validates_and_enforces_thinking_budget_like_openai(apps):
+    base = apps["open"].base
+    low = apps["open"].service.settings.thinking_budgets["low"]
+    msgs = [{"role": "user", "content": "Count to a thousand."}]
+    for extra in ({"extra_body": {"thinking_budget": "low"}}, {"thinking_budget": "low"}, {"reasoning_effort": "minimal"},
+                  {"extra_body": {"reasoning_effort": "low"}}):
+        r = httpx.post(f"{base}/v1/messages", json={"model": NAME, "max_tokens": 200, "messages": msgs, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        rec = _record(apps, r.json()["id"])
+        ids = list(rec.choices[0].completion_token_ids)
+        assert rec.request["thinking_budget_tokens"] == low
+        assert (ids.index(chat.THINK_END_ID) if chat.THINK_END_ID in ids else len(ids)) <= low, extra
+    for extra in ({"extra_body": {"thinking_budget": "extreme"}}, {"extra_body": "low"}, {"extra_body": [1]}, {"thinking_budget": -1},
+                  {"thinking_budget": 2 ** 40}, {"reasoning_effort": "loads"}):
+        for path in ("/v1/messages", "/v1/chat/completions"):
+            r = httpx.post(base + path, json={"model": NAME, "max_tokens": 5, "messages": msgs, **extra}, timeout=60)
+            assert r.status_code == 400, (path, extra, r.text)
+
+
+def test_top_logprobs_are_the_engines_alternatives(apps):
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=NAME, max_tokens=12, logprobs=True, top_logprobs=20, temperature=1, seed=5,
+                                       messages=[{"role": "user", "content": "hi"}])
+    rec = _record(apps, r.id)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(rec.choices[0].completion_token_ids)
+    for entry, lp in zip(content, rec.choices[0].logprobs):
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 20 and tops == sorted(tops, reverse=True)
+        assert abs(entry.logprob - lp) < 1e-6 and entry.logprob <= tops[0] + 1e-6
+        assert sum(math.exp(x) for x in tops) <= 1 + 1e-4
+        if entry.token in [t.token for t in entry.top_logprobs]:  # the sampled token's own entry agrees
+            assert abs(next(t.logprob for t in entry.top_logprobs if t.token == entry.token) - entry.logprob) < 1e-5
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, max_tokens=2, logprobs=True, top_logprobs=21, messages=[{"role": "user", "content": "hi"}])
+
+
+TWO_TOOLS = [{"type": "function", "function": {"name": "get_cpu_usage", "parameters": {"type": "object", "properties": {"window": {"type": "string"}}}}},
+             {"type": "function", "function": {"name": "restart_service", "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]
+
+
+def test_required_and_named_tool_choice_only_call_the_requests_tools(apps):
+    """Random weights would name anything ("PARIS"); vLLM's structured outputs keep the name to the request's tools
+    and the arguments to a JSON object, on every route."""
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    names = {t["function"]["name"] for t in TWO_TOOLS}
+    seen = set()
+    for seed in range(6):
+        r = client.chat.completions.create(model=NAME, max_tokens=120, seed=seed, temperature=1, tools=TWO_TOOLS, tool_choice="required",
+                                           reasoning_effort="low", messages=[{"role": "user", "content": "Check the CPU."}])
+        c = r.choices[0]
+        if c.finish_reason == "length":
+            continue
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+        call = c.message.tool_calls[0]
+        assert call.function.name in names and isinstance(json.loads(call.function.arguments), dict)
+        seen.add(call.function.name)
+        rec = _record(apps, r.id).choices[0]
+        assert 0 in rec.loss_mask and rec.completion_token_ids[-1] == chat.IM_END_ID
+    assert seen, "no run left room for a call"
+    r = client.chat.completions.create(model=NAME, max_tokens=120, seed=1, tools=TWO_TOOLS, reasoning_effort="low",
+                                       tool_choice={"type": "function", "function": {"name": "restart_service"}},
+                                       messages=[{"role": "user", "content": "Restart it."}])
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["restart_service"]
+    ac = anthropic.Anthropic(base_url=app.base, api_key="unused", max_retries=0, timeout=120)
+    m = ac.messages.create(model=NAME, max_tokens=120, tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                                                              for t in TWO_TOOLS], tool_choice={"type": "any"}, extra_body={"thinking_budget": "low"},
+                           messages=[{"role": "user", "content": "Check the CPU."}])
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "max_tokens" or (uses and all(b.name in names for b in uses))
+
+
+# ----------------------------------------------------------------------------- the Responses API
+RESP_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in TWO_TOOLS]
+
+
+def test_responses_api_with_tools_reasoning_and_previous_response_id(apps):
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    for seed in range(4):  # random weights may fill the reply inside the call's arguments: another seed then
+        r1 = client.responses.create(model=NAME, input="Check the CPU.", instructions="You are an SRE.", tools=RESP_TOOLS, tool_choice="required",
+                                     reasoning={"effort": "low"}, max_output_tokens=400, temperature=1, extra_body={"seed": seed})
+        if r1.status == "completed":
+            break
+    assert r1.status == "completed" and r1.id.startswith("resp_")
+    kinds = [o.type for o in r1.output]
+    assert kinds[-1] == "function_call" and kinds[0] in ("reasoning", "function_call")
+    call = r1.output[-1]
+    assert call.name in {t["name"] for t in RESP_TOOLS} and isinstance(json.loads(call.arguments), dict)
+    rec1 = _record(apps, r1.id)
+    assert rec1.request["protocol"] == "responses" and rec1.request["thinking_tier"] == "low"
+    assert r1.usage.output_tokens == len(rec1.choices[0].completion_token_ids) and r1.usage.input_tokens == len(rec1.prompt_token_ids)
+    # next turn by previous_response_id: the reply (reasoning included) is the next prompt's history, its ids reused
+    r2 = client.responses.create(model=NAME, previous_response_id=r1.id, tools=RESP_TOOLS, max_output_tokens=8, reasoning={"effort": "low"},
+                                 instructions="You are an SRE.",  # instructions are not carried over (as in OpenAI's API)
+                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": "CPU at 85%"}])
+    rec2 = _record(apps, r2.id)
+    prompt2 = app.service.tokenizer.decode(list(rec2.prompt_token_ids), skip_special_tokens=False)
+    reasoning = [o for o in r1.output if o.type == "reasoning"]
+    assert all(o.content[0].text in prompt2 for o in reasoning) and call.arguments in prompt2 and "CPU at 85%" in prompt2
+    assert prompt2.startswith(app.service.tokenizer.decode(list(rec1.prompt_token_ids), skip_special_tokens=False))
+    if rec2.continues is not None:  # the reply rendered back to its own text: its sampled ids were reused
+        assert rec2.continues == (r1.id, 0)
+        assert list(rec2.prompt_token_ids[: rec2.prompt_reused_tokens]) == list(rec1.prompt_token_ids) + list(rec1.choices[0].completion_token_ids)
+    # the same turn with the items sent back instead (stateless clients): same prompt, reasoning kept
+    items = [{"role": "system", "content": "You are an SRE."}, {"role": "user", "content": "Check the CPU."}] + \
+        [o.model_dump(exclude_none=True) for o in r1.output] + [{"type": "function_call_output", "call_id": call.call_id, "output": "CPU at 85%"}]
+    r3 = client.responses.create(model=NAME, input=items, tools=RESP_TOOLS, max_output_tokens=8, reasoning={"effort": "low"}, store=False)
+    assert list(_record(apps, r3.id).prompt_token_ids) == list(rec2.prompt_token_ids)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=NAME, previous_response_id=r3.id, input="more", max_output_tokens=4)  # store: false
+    # reasoning sent back only as encrypted_content (a client that keeps no content)
+    r4 = client.responses.create(model=NAME, input="Check the CPU.", instructions="You are an SRE.", tools=RESP_TOOLS, tool_choice="required",
+                                 reasoning={"effort": "low"}, max_output_tokens=400, include=["reasoning.encrypted_content"],
+                                 extra_body={"seed": 11})
+    back = [{k: v for k, v in o.model_dump(exclude_none=True).items() if k != "content"} for o in r4.output]
+    if r4.output[0].type == "reasoning" and r4.output[-1].type == "function_call":
+        assert back[0]["encrypted_content"]
+        r5 = client.responses.create(model=NAME, input=[{"role": "user", "content": "Check the CPU."}] + back +
+                                     [{"type": "function_call_output", "call_id": r4.output[-1].call_id, "output": "ok"}],
+                                     instructions="You are an SRE.", tools=RESP_TOOLS, max_output_tokens=4, reasoning={"effort": "low"})
+        prompt = app.service.tokenizer.decode(list(_record(apps, r5.id).prompt_token_ids), skip_special_tokens=False)
+        assert r4.output[0].content[0].text in prompt
+
+
+def test_responses_api_streams_the_same_reply(apps):
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    kinds, text, thought = [], [], []
+    for ev in client.responses.create(model=NAME, input="Tell me a story.", max_output_tokens=60, reasoning={"effort": "minimal"}, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            text.append(ev.delta)
+        if ev.type == "response.reasoning_text.delta":
+            thought.append(ev.delta)
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert [o.id for o in final.output] == [ev_id for ev_id in dict.fromkeys(o.id for o in final.output)]
+    msg = [o for o in final.output if o.type == "message"]
+    assert "".join(text) == (msg[0].content[0].text if msg else "")
+    reasoning = [o for o in final.output if o.type == "reasoning"]
+    assert "".join(thought) == (reasoning[0].content[0].text if reasoning else "")
+    rec = _record(apps, final.id)
+    parsed = chat.parse_assistant(rec.choices[0].text, turn=0).message
+    assert (parsed.reasoning or "") == "".join(thought) and parsed.content == "".join(text)
+    assert final.status == ("incomplete" if rec.choices[0].finish_reason == "length" else "completed")
+    # the SDK's stream helper (which needs response.completed) on a reply that completes: a required call closes the turn
+    for seed in range(4):
+        try:
+            with client.responses.stream(model=NAME, input="Check the CPU.", tools=RESP_TOOLS, tool_choice="required", max_output_tokens=400,
+                                         reasoning={"effort": "low"}, extra_body={"seed": seed}) as s:
+                for _ in s:
+                    pass
+                done = s.get_final_response()
+            break
+        except RuntimeError:  # response.incomplete: the arguments ran to the limit; another seed
+            continue
+    assert done.status == "completed" and done.output[-1].type == "function_call"
+    assert done.output[-1].name in {t["name"] for t in RESP_TOOLS}
+
+
+def test_litellm_and_langchain_speak_to_both_routes(apps, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network: the cost map shipped in the wheel
+    litellm = pytest.importorskip("litellm")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    base = apps["open"].base
+    r = litellm.completion(model=f"openai/{NAME}", api_base=f"{base}/v1", api_key="unused", max_tokens=30, reasoning_effort="medium",
+                           messages=[{"role": "user", "content": "hi"}])
+    assert _record(apps, r.id).request["thinking_tier"] == "high"
+    r = litellm.completion(model=f"openai/{NAME}", api_base=f"{base}/v1", api_key="unused", max_tokens=120, tools=TWO_TOOLS,
+                           tool_choice="required", reasoning_effort="low", messages=[{"role": "user", "content": "Check the CPU."}])
+    calls = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "length" or calls[0].function.name in {t["function"]["name"] for t in TWO_TOOLS}
+    a = litellm.completion(model=f"anthropic/{NAME}", api_base=base, api_key="unused", max_tokens=100, allowed_openai_params=["thinking"],
+                           thinking={"type": "enabled", "budget_tokens": 64}, messages=[{"role": "user", "content": "hi"}])
+    newest = max((r for r in read_records(apps["records"]) if r.request["protocol"] == "anthropic"), key=lambda r: r.created)
+    assert a.choices[0].message is not None and newest.request["thinking_tier"] == "low"
+    llm = langchain_openai.ChatOpenAI(model=NAME, base_url=f"{base}/v1", api_key="unused", max_tokens=30, reasoning_effort="medium",
+                                      max_retries=0)
+    out = llm.invoke("hi")
+    assert isinstance(out.content, (str, list))
+    bound = llm.bind_tools([{"type": "function", "function": TWO_TOOLS[0]["function"]}], tool_choice="required")
+    out = langchain_openai.ChatOpenAI(model=NAME, base_url=f"{base}/v1", api_key="unused", max_tokens=120, reasoning_effort="low",
+                                      max_retries=0).bind_tools([TWO_TOOLS[0]], tool_choice="required").invoke("Check the CPU.")
+    assert bound is not None and all(c["name"] == "get_cpu_usage" for c in out.tool_calls)

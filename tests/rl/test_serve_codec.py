@@ -284,16 +284,21 @@ def test_prompt_is_the_codecs_rendering_and_replies_are_reused_next_turn(codecs)
 
 @pytest.mark.parametrize("kind", ["plain", "thinking"])
 def test_named_tool_choice_writes_the_calls_opening(codecs, kind):
+    """The opening and name are the server's (mask 0); the arguments are the model's, under vLLM's JSON-object
+    grammar (whose end of text the server replaces by the call's closing and the end of the turn, mask 0)."""
     codec = codecs[kind]
     tok = codec.tokenizer
-    rest = '{"city": "Paris"}}\n</tool_call><|im_end|>'
-    replies = ["\nneed weather\n</think>", rest] if kind == "thinking" else [rest]
+    args = '{"city": "Paris"}'
+    replies = ["\nneed weather\n</think>", args + "<|im_end|>"] if kind == "thinking" else [args + "<|im_end|>"]
     svc, eng = _service(codec, replies)
     p = svc.prepare(_req(codec, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60))
     (c,) = asyncio.run(svc.complete(p))
     assert c.message.tool_calls == (ToolCall("call_0_0", "get_weather", '{"city": "Paris"}'),) and c.finish_reason == "tool_calls"
+    assert not c.parse_errors
     prefix = codec.forced_call_prefix("get_weather", after_reasoning=kind == "thinking")
     forced = tok.encode(prefix, add_special_tokens=False)
+    closing = tok.encode("}" + codec.call_close, add_special_tokens=False) + [codec.end_token_id]
+    n_args = len(tok.encode(args, add_special_tokens=False))
     ids, mask = list(c.completion.token_ids), list(c.completion.loss_mask)
     if kind == "thinking":
         assert len(eng.requests) == 2 and chat.THINK_END_ID in eng.requests[0].stop_token_ids
@@ -301,10 +306,31 @@ def test_named_tool_choice_writes_the_calls_opening(codecs, kind):
         assert prefix.startswith("\n\n<tool_call>")
     else:  # no thinking block: the opening is written at once, the engine is asked once
         assert len(eng.requests) == 1 and prefix.startswith("<tool_call>\n")
-    at = len(ids) - len(tok.encode(rest, add_special_tokens=False)) - len(forced)
+    assert eng.requests[-1].json_object and not eng.requests[-1].choice
+    at = len(ids) - len(closing) - n_args - len(forced)
     assert ids[at: at + len(forced)] == forced and mask[at: at + len(forced)] == [0] * len(forced)
-    assert mask[:at] == [1] * at and all(m == 1 for m in mask[at + len(forced):])
+    assert mask[:at] == [1] * at and mask[at + len(forced): -len(closing)] == [1] * n_args and mask[-len(closing):] == [0] * len(closing)
+    assert ids[-len(closing):] == closing
     assert eng.requests[-1].prompt_token_ids == p.prompt.token_ids + tuple(ids[: at + len(forced)])
+
+
+@pytest.mark.parametrize("kind", ["plain", "thinking", "jointrl"])
+def test_required_tool_choice_picks_among_the_requests_tools_only(codecs, kind):
+    """tool_choice required with several tools: the name is generated under a vLLM `choice` over exactly the
+    request's tools (the Agents SDK once got a call to "PARIS"); a call to any other tool is dropped and reported."""
+    codec = codecs[kind]
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    think = ["\nhm\n</think>"] if kind != "plain" else []
+    svc, eng = _service(codec, think + ['get_time", "arguments": <|im_end|>', '{}<|im_end|>'])
+    (c,) = asyncio.run(svc.complete(svc.prepare(_req(codec, tools=tools, tool_choice="required", max_tokens=80))))
+    assert eng.requests[-2].choice == ('get_weather", "arguments": ', 'get_time", "arguments": ')
+    assert eng.requests[-1].json_object
+    assert [(t.name, t.arguments) for t in c.message.tool_calls] == [("get_time", "{}")] and c.finish_reason == "tool_calls"
+    # auto: a call the model writes to a tool the request did not offer is not passed on
+    call = '<tool_call>\n{"name": "PARIS", "arguments": {}}\n</tool_call><|im_end|>'
+    svc, _ = _service(codec, [("\nhm\n</think>\n\n" if kind != "plain" else "") + call])
+    (c,) = asyncio.run(svc.complete(svc.prepare(_req(codec, tools=tools, max_tokens=80))))
+    assert c.message.tool_calls == () and any("PARIS" in e for e in c.parse_errors)
 
 
 def test_tool_choice_needing_an_unknown_call_opening_is_refused(chatml_dir):

@@ -261,15 +261,15 @@ def _parse_and_prepare(route: str, body: dict) -> None:
         assert 400 <= e.status < 500, (e.status, e.message)
 
 
-@pytest.mark.parametrize("route", ["openai", "anthropic"])
-@hyp_settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("route", ["openai", "anthropic", "responses"])
+@hyp_settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=_body)
 def test_fuzzed_bodies_only_ever_raise_4xx(route, body):
     _parse_and_prepare(route, body)
 
 
-@pytest.mark.parametrize("route", ["openai", "anthropic"])
-@hyp_settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("route", ["openai", "anthropic", "responses"])
+@hyp_settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(messages=st.lists(st.dictionaries(st.sampled_from(_FIELDS), _json, max_size=6), min_size=1, max_size=4), extra=_body)
 def test_fuzzed_messages_only_ever_raise_4xx(route, messages, extra):
     key = "input" if route == "responses" else "messages"
