@@ -54,6 +54,15 @@ class TrainerWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def process(self) -> tuple[int, str, str]:
+        """(pid, node address, the file this process's stderr goes to): what a report of its death names.
+        Ray points a worker's standard streams at files in its session's log folder."""
+        try:
+            log = os.readlink("/proc/self/fd/2")
+        except OSError:
+            log = ""
+        return os.getpid(), ray.util.get_node_ip_address(), log
+
     def compute_logprobs(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False):
         return self.t.compute_logprobs(batch, n_micro, pad_only)
 
@@ -76,8 +85,7 @@ class TrainerWorker:
         Every rank makes the same passes through the (possibly ZeRO-3) engines, a padding-only rank
         (`pad_only`: fewer micro-batches than ranks) included: under ZeRO-3 each forward and backward
         gathers parameters collectively, so a pass that one rank skips leaves the other waiting on a
-        collective its peer never joins (a padding rank that skipped the R2 pass below took the 2-rank
-        run down). Which passes run depends only on what every shard shares: the step's `routes_from`,
+        collective its peer never joins. Which passes run depends only on what every shard shares: the step's `routes_from`,
         whether the batch brings reference logprobs, whether a reference and a critic are loaded.
         The reference itself is a plain module in each process (no collectives): a padding rank skips it."""
         needs_ref = self.t.reference is not None and batch.ref_logprobs_BT is None

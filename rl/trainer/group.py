@@ -70,6 +70,21 @@ class TrainerLostError(RuntimeError):
     """A trainer rank died (its process or its node): the step cannot complete; the run resumes from its checkpoint."""
 
 
+@dataclass(frozen=True)
+class RankProcess:
+    """Where one trainer rank runs: what the report of its death names."""
+
+    rank: int
+    pid: int
+    node: str  # the node's address
+    log: str  # the file its stderr goes to ("" if unknown)
+
+
+# How long a failed call waits for Ray to mark a rank dead: when one rank's process dies mid-collective, its
+# peer's call usually fails first (gloo: "Connection closed by peer"), a moment before Ray reports the death.
+_DEATH_WAIT_S = 10.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -83,6 +98,7 @@ class TrainerGroup:
         self.workers = workers
         self.micro_batch_size = micro_batch_size
         self.placement_group = placement_group
+        self.processes: list[RankProcess] = []  # filled by `ready`
 
     @property
     def world_size(self) -> int:
@@ -132,21 +148,56 @@ class TrainerGroup:
         return shards, n_micro
 
     def _get(self, refs: Any) -> Any:
-        """`ray.get` of rank calls; a rank whose process or node is gone raises `TrainerLostError`."""
+        """`ray.get` of rank calls. A rank whose process or node is gone raises `TrainerLostError` naming
+        that rank, why it exited and where its log is, also when a surviving rank's call failed first
+        (its collective's peer vanished): the survivor's error says only that a peer went away."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             return ray.get(refs)
-        except RayActorError as e:
-            ids = [w._actor_id.hex() for w in self.workers]
-            who = f"trainer rank {ids.index(e.actor_id)}" if e.actor_id in ids else "a trainer rank"
-            lines = [c.strip() for c in str(e).strip().splitlines()]
-            cause = " ".join(dict.fromkeys(lines[:1] + lines[-1:]))  # Ray's first and last lines: what died, and why
+        except (RayActorError, RayTaskError) as e:
+            dead = self._dead_ranks(wait_s=_DEATH_WAIT_S if not isinstance(e, RayActorError) else 0.0)
+            if not dead and isinstance(e, RayActorError):
+                ids = [w._actor_id.hex() for w in self.workers]
+                dead = [(ids.index(e.actor_id) if e.actor_id in ids else -1, e)]
+            if not dead:
+                raise
             raise TrainerLostError(
-                f"{who} was lost ({type(e).__name__}: {cause}). A lost rank "
-                "fails the step, and the driver does not restart the trainer: run `jointrl train` again with the same "
-                "config to resume from the run's last checkpoint (trainer.resume=true)") from e
+                "; ".join(self._death_line(rank, err) for rank, err in dead) + ". A lost rank fails the step, and "
+                "the driver does not restart the trainer: run `jointrl train` again with the same config to resume "
+                "from the run's last checkpoint (trainer.resume=true)") from e
+
+    def _dead_ranks(self, wait_s: float) -> list[tuple[int, Exception]]:
+        """The ranks whose actor is dead, each with Ray's error for it; polls up to `wait_s` for one to show."""
+        import time
+
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = []
+            for rank, w in enumerate(self.workers):
+                try:
+                    ray.get(w.__ray_ready__.remote(), timeout=1.0)
+                except RayActorError as err:
+                    dead.append((rank, err))
+                except GetTimeoutError:  # alive, still inside a call
+                    pass
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.5)
+
+    def _death_line(self, rank: int, err: Exception) -> str:
+        """One sentence: which rank, why its process exited (Ray's death cause), where its log is."""
+        lines = [c.strip() for c in str(err).strip().splitlines() if c.strip()]
+        why = next((c for c in lines if "exit" in c.lower() or "killed" in c.lower()), lines[-1] if lines else "")
+        proc = next((p for p in self.processes if p.rank == rank), None)
+        where = (f" (pid {proc.pid} on {proc.node}; its log: {proc.log or 'in the Ray session log folder'})"
+                 if proc else "")
+        who = f"trainer rank {rank}" if rank >= 0 else "a trainer rank"
+        return f"{who} died{where}: {type(err).__name__}: {why}"
 
     def _each(self, method: str, *args) -> list[Any]:
         return self._get([getattr(w, method).remote(*args) for w in self.workers])
@@ -154,6 +205,7 @@ class TrainerGroup:
     # ------------------------------------------------------------------ the driver's calls
     def ready(self) -> dict[str, Any]:
         info = self._each("ready")[0]
+        self.processes = [RankProcess(r, *p) for r, p in enumerate(self._each("process"))]
         return {**info, "world_size": self.world_size}
 
     def version(self) -> int:
