@@ -57,6 +57,22 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(lines)
 
 
+def _may_name_result(code) -> bool:
+    """Whether the compiled module, or any function or class body in it, names `result` or holds a string
+    containing it (what `globals()["result"] = ...` or an exec would need)."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        if "result" in c.co_names or "result" in c.co_varnames:
+            return True
+        for k in c.co_consts:
+            if isinstance(k, str) and "result" in k:
+                return True
+            if hasattr(k, "co_names"):
+                stack.append(k)
+    return False
+
+
 def run(code: str, out_path: str) -> dict:
     report: dict = {"ok": False, "error": None, "stdout": "", "summary": None}
     # Cheap failures first: the cadquery import costs seconds.
@@ -67,6 +83,11 @@ def run(code: str, out_path: str) -> dict:
         compiled = compile(code, CODE_FILENAME, "exec")
     except (SyntaxError, ValueError) as e:  # ValueError: NUL bytes in the source
         report["error"] = "".join(traceback.format_exception_only(type(e), e))
+        return report
+    if not _may_name_result(compiled):
+        # No statement of the code names `result` and no string in it holds the word: it cannot assign the part
+        # (constant answers such as "0" or "yes" end here, without the seconds of the cadquery import).
+        report["error"] = "your code never assigns `result`: assign the finished part to it (`result = ...`)"
         return report
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
