@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .norms import ZeroCenteredRMSNorm
 
@@ -82,9 +83,12 @@ def lightning_indexer_scores(q_BTHD: torch.Tensor, k_BSD: torch.Tensor, w_BTH: t
     return torch.matmul(w_BTH.float().unsqueeze(2), relu_BTHS).squeeze(2)  # sum_h w[t,h] * relu[t,h,s]
 
 
-def visible_mask(T: int, S: int, key_padding_BS: torch.Tensor | None, device) -> torch.Tensor:
-    """[B or 1, T, S] bool: key s is visible from query t (the T queries are the last T of the S positions)."""
-    t_idx = torch.arange(T, device=device)[:, None] + (S - T)
+def visible_mask(T: int, S: int, key_padding_BS: torch.Tensor | None, device, rows: tuple[int, int] | None = None
+                 ) -> torch.Tensor:
+    """[B or 1, T, S] bool: key s is visible from query t (the T queries are the last T of the S positions).
+    `rows` = (t0, t1): only queries t0 <= t < t1, [B or 1, t1 - t0, S]."""
+    t0, t1 = rows if rows is not None else (0, T)
+    t_idx = torch.arange(t0, t1, device=device)[:, None] + (S - T)
     vis_TS = torch.arange(S, device=device)[None, :] <= t_idx
     if key_padding_BS is None:
         return vis_TS[None]
@@ -128,6 +132,13 @@ def indexer_kl_loss(attn_probs_BHTS: torch.Tensor, index_scores_BTS: torch.Tenso
     return (kl_BT * valid).sum() / valid.sum().clamp_min(1)
 
 
+# Queries per block when a layer attends more than this many at once (training, prefill): the indexer's scores,
+# the selection and the attention weights exist for one block at a time ([B, block, S] and [B, H, block, S], not
+# [B, T, S] and [B, H, T, S]: at T = S = 32k and 2 heads that is 0.27 GB a block instead of 8.6 GB), and under
+# autograd each block is checkpointed, so its backward recomputes them one block at a time as well.
+QUERY_BLOCK = 1024
+
+
 # ----------------------------------------------------------------------------- the layer
 class LightningIndexer(nn.Module):
     def __init__(self, config) -> None:
@@ -168,6 +179,7 @@ class GatedIndexedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.indexer = LightningIndexer(config)
+        self.query_block = QUERY_BLOCK
 
     def forward(self, hidden_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
                 key_padding_BS: torch.Tensor | None = None, compute_indexer_loss: bool = False,
@@ -184,8 +196,14 @@ class GatedIndexedAttention(nn.Module):
         S = k_BHTD.shape[2]
         if key_padding_BS is not None and key_padding_BS.shape != (B, S):
             raise ValueError(f"attention_mask must cover past + current tokens: want [{B}, {S}], got {tuple(key_padding_BS.shape)}")
-        visible_BTS = visible_mask(T, S, key_padding_BS, hidden_BTD.device)
         sparse = self.index_topk < S  # otherwise every visible key is selected: dense gated attention, exactly
+        gather = (sparse and not compute_indexer_loss and T * 4 <= S) if force_gather is None else (force_gather and sparse)
+        if T > self.query_block and not gather:
+            out_BHTD, loss = self._attend_blocks(hidden_BTD, q_BHTD, k_BHTD, v_BHTD, cos, sin, cache, key_padding_BS,
+                                                 sparse, compute_indexer_loss)
+            out_BTX = out_BHTD.transpose(1, 2).reshape(B, T, H * Dh)
+            return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), loss
+        visible_BTS = visible_mask(T, S, key_padding_BS, hidden_BTD.device)
 
         scores_BTS = None
         if sparse or compute_indexer_loss or cache is not None:
@@ -196,7 +214,6 @@ class GatedIndexedAttention(nn.Module):
             if sparse or compute_indexer_loss:
                 scores_BTS = lightning_indexer_scores(qI, kI, wI)
 
-        gather = (sparse and not compute_indexer_loss and T * 4 <= S) if force_gather is None else (force_gather and sparse)
         loss = None
         if gather:
             out_BHTD = self._attend_gathered(q_BHTD, k_BHTD, v_BHTD, scores_BTS, visible_BTS)
@@ -213,6 +230,55 @@ class GatedIndexedAttention(nn.Module):
                     loss = indexer_kl_loss(dense_probs, scores_BTS, visible_BTS.expand(B, T, S), query_valid)
         out_BTX = out_BHTD.transpose(1, 2).reshape(B, T, H * Dh)
         return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), loss
+
+    def _attend_blocks(self, hidden_BTD, q_BHTD, k_BHSD, v_BHSD, cos, sin, cache, key_padding_BS, sparse: bool,
+                       compute_indexer_loss: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's attention (and indexer loss) over blocks of `query_block` queries: each query's scores,
+        top-k selection and attention read only its own row, so the blocks give the one-shot result (to float
+        round-off in the loss's mean). The indexer's keys are computed once for all S positions."""
+        B, H, T, Dh = q_BHTD.shape
+        S = k_BHSD.shape[2]
+        qI = kI = wI = None
+        if sparse or compute_indexer_loss or cache is not None:
+            qI, kI, wI = self.indexer.project(hidden_BTD.detach(), cos, sin)  # detached, as in `forward`
+            if cache is not None:
+                kI = cache.update_indexer(kI, self.layer_idx)
+        grad = torch.is_grad_enabled()
+        outs, loss_sum, n_valid = [], None, 0
+        for t0 in range(0, T, self.query_block):
+            t1 = min(T, t0 + self.query_block)
+            vis = visible_mask(T, S, key_padding_BS, hidden_BTD.device, rows=(t0, t1))
+            valid = vis.any(-1).expand(B, t1 - t0)
+            if key_padding_BS is not None:
+                valid = valid & key_padding_BS[:, S - T + t0:S - T + t1].bool()
+            args = (q_BHTD[:, :, t0:t1], k_BHSD, v_BHSD, vis, valid,
+                    None if qI is None else qI[:, t0:t1], kI, None if wI is None else wI[:, t0:t1])
+            fn = lambda *a: self._attend_block(*a, sparse=sparse, compute_indexer_loss=compute_indexer_loss)  # noqa: E731
+            out, block_loss = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
+            outs.append(out)
+            if block_loss is not None:
+                n = int(valid.sum())
+                loss_sum = block_loss * n if loss_sum is None else loss_sum + block_loss * n
+                n_valid += n
+        loss = None if loss_sum is None else loss_sum / max(n_valid, 1)
+        return torch.cat(outs, dim=2), loss
+
+    def _attend_block(self, q_BHQD, k_BHSD, v_BHSD, visible_BQS, valid_BQ, qI, kI, wI, *, sparse: bool,
+                      compute_indexer_loss: bool):
+        """One block of queries: (out [B, H, Q, D], the block's mean indexer loss or None), as `forward` computes
+        them for all queries at once."""
+        B, _, Q, _ = q_BHQD.shape
+        S = k_BHSD.shape[2]
+        scores = lightning_indexer_scores(qI, kI, wI) if (sparse or compute_indexer_loss) else None
+        selected = topk_selection(scores, visible_BQS, self.index_topk) if sparse else visible_BQS
+        out, probs = self._attend_masked(q_BHQD, k_BHSD, v_BHSD, selected)
+        if not compute_indexer_loss:
+            return out, None
+        if self.indexer_loss_mode == "sparse" or not sparse:
+            return out, indexer_kl_loss(probs, scores, selected.expand(B, Q, S), valid_BQ)
+        with torch.no_grad():
+            _, dense = self._attend_masked(q_BHQD, k_BHSD, v_BHSD, visible_BQS, need_output=False)
+        return out, indexer_kl_loss(dense, scores, visible_BQS.expand(B, Q, S), valid_BQ)
 
     def _attend_masked(self, q_BHTD, k_BHSD, v_BHSD, allowed_BTS, need_output: bool = True):
         """Eager attention over all S keys with a boolean mask; returns (out [B,H,T,D], probs [B,H,T,S]).

@@ -195,3 +195,35 @@ def test_dense_mode_loss_uses_dense_target():
     probs = torch.softmax(logits.masked_fill(~vis[:, None], float("-inf")), -1)
     want = indexer_kl_loss(probs, scores, vis.expand(1, T, T))
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("topk,mode,loss", [(5, "sparse", True), (5, "dense", True), (5, "sparse", False), (2048, "dense", False)])
+def test_query_blocks_equal_one_shot(topk, mode, loss):
+    """Long inputs attend in blocks of queries (`query_block`): the same output, indexer loss and gradients
+    (main weights and indexer) as all queries at once, with padding, sparse and dense, both loss modes."""
+    c = cfg(index_topk=topk, indexer_loss_mode=mode)
+    T = 37
+    cos, sin = rope(c, T)
+    x = torch.randn(2, T, 48, generator=torch.Generator().manual_seed(7))
+    pad = torch.ones(2, T, dtype=torch.bool)
+    pad[1, 30:] = False
+
+    def run(block):
+        layer = make_layer(c).train()
+        layer.query_block = block
+        xx = x.clone().requires_grad_(True)
+        out, idx_loss = layer(xx, cos, sin, key_padding_BS=pad, compute_indexer_loss=loss)
+        total = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum() + (idx_loss if idx_loss is not None else 0.0)
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        return out.detach(), idx_loss, xx.grad, grads
+
+    (o1, l1, gx1, g1), (o2, l2, gx2, g2) = run(4096), run(8)
+    torch.testing.assert_close(o2, o1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx2, gx1, atol=1e-5, rtol=1e-5)
+    assert g1.keys() == g2.keys() and (not loss or any(n.startswith("indexer.") for n in g1))
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert (l1 is None) == (l2 is None) == (not loss)
+    if loss:
+        torch.testing.assert_close(l2, l1, atol=1e-6, rtol=1e-5)
