@@ -301,7 +301,8 @@ def check_env(env_id: str, n_tasks: int = 4, seed: int = 0, n_generate: int = 64
                                      "nothing: give Domain.noop valid arguments for the ending tool")
                     if invs or ends_on_reply:
                         assert tr.terminated, f"{t.id}: the do-nothing episode did not end (turns={tr.turns})"
-                assert abs(tr.grade.reward - want) < 1e-9, f"{t.id}: {policy_name} scored {tr.grade.reward}, expected {want}"
+                label = "do-nothing" if policy_name == "noop" else policy_name
+                assert abs(tr.grade.reward - want) < 1e-9, f"{t.id}: {label} scored {tr.grade.reward}, expected {want}"
                 got.append(tr.grade.reward)
             return f"{len(got)} tasks scored {want:g}"
         return run

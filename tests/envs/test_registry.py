@@ -97,3 +97,114 @@ def test_generator_output_is_validated(monkeypatch):
             envs.generate_tasks(env_id, "heldout")
     finally:
         registry._REGISTRY.pop(env_id, None)
+
+
+# --------------------------------------------------------------------------- envs.check: do-nothing, best constant
+from envs import Domain, Limits, ToolInvocation, tool  # noqa: E402
+from envs.base import ToolEnv  # noqa: E402
+from envs.check import CONSTANT_LIMIT, check_env  # noqa: E402
+from rewards import Rubric, Term, check  # noqa: E402
+
+
+def _yes_no_tasks(split, seed, n):
+    # Held-out answers are "yes" on 3 of 4 tasks: a prior a constant answer collects.
+    n = 8 if n is None else n
+    return [Task(id=f"yn/{split}/{seed}/{i}", domain="yn", split=split, limits=Limits(max_turns=3),
+                 prompt=(Message(role="user", content=f"Is {seed * 100 + i} {split} even-ish? Answer yes or no."),),
+                 private={"answer": "no" if i % 4 == 0 else "yes", "variant": f"{split}{seed}-{i}"}) for i in range(n)]
+
+
+class _YesNo(Domain):
+    rubric = Rubric((Term("correct", check("correct"), 1.0),))
+    empty_scores = 0.0  # what an empty answer earns (a broken grader pays for it)
+
+    def setup(self, task):
+        self.given = None
+
+    @tool(ends_episode=True)
+    def submit(self, answer: str) -> str:
+        """Submit the answer; ends the episode.
+
+        Args:
+            answer: yes or no
+        """
+        self.given = answer
+        return "ok"
+
+    def check(self, task, transcript):
+        if self.given is not None and not self.given.strip():
+            return {"correct": self.empty_scores}
+        return {"correct": float(self.given == task.private["answer"])}
+
+    def reference(self, task):
+        return [ToolInvocation("submit", {"answer": task.private["answer"]})]
+
+
+class _PaysForNothing(_YesNo):
+    empty_scores = 1.0
+
+
+class _MalformedNoop(_YesNo):
+    def noop(self, task):
+        return [ToolInvocation("submit", {})]  # the required argument missing: an error message, not an ending
+
+
+@pytest.fixture
+def yes_no():
+    made = []
+
+    def register(cls, env_id, **kw):
+        registry.register(env_id, lambda **k: ToolEnv(cls(), **k), _yes_no_tasks, **kw)
+        made.append(env_id)
+        return env_id
+
+    yield register
+    for env_id in made:
+        registry._REGISTRY.pop(env_id, None)
+
+
+def _item(report, name):
+    return next(i for i in report.items if i.name == name)
+
+
+def test_do_nothing_really_does_nothing(yes_no):
+    # Domain.noop's default calls `submit` without its argument: a malformed call, then a truncated
+    # episode that scores 0 whatever the grader does. The checker submits an empty answer instead, so a
+    # grader that pays for an empty answer is caught.
+    import asyncio
+
+    from envs.play import ScriptedPolicy, run_episode
+
+    env_id = yes_no(_PaysForNothing, "toy-paysnothing-v0")
+    env, task = envs.make(env_id), _yes_no_tasks("train", 0, 1)[0]
+    try:  # the control: the default noop scores 0 on this broken grader, without reaching it
+        tr = asyncio.run(run_episode(env, task, ScriptedPolicy(env.noop(task))))
+    finally:
+        env.close()
+    assert tr.grade.reward == 0.0 and tr.truncated and tr.grade.metrics["malformed_calls"] >= 1
+    r = check_env(env_id, n_tasks=2, n_generate=8)
+    item = _item(r, "do-nothing scores 0")
+    assert not item.passed and "do-nothing scored 1" in item.detail, item
+    assert _item(check_env(yes_no(_YesNo, "toy-yesno-v0", default_mix=False, note="prior 0.75"), n_tasks=2,
+                           n_generate=8), "do-nothing scores 0").passed
+    # A domain's own noop that makes a malformed call is refused by name.
+    item = _item(check_env(yes_no(_MalformedNoop, "toy-malformednoop-v0"), n_tasks=2, n_generate=8), "do-nothing scores 0")
+    assert not item.passed and "malformed call" in item.detail, item
+
+
+def test_best_constant_is_reported_and_fails_unless_the_domain_is_marked(yes_no):
+    r = check_env(yes_no(_YesNo, "toy-yesnoplain-v0"), n_tasks=2, n_generate=8)
+    item = _item(r, "best constant")
+    assert not item.passed and "'yes' scores 0.750 on 8 held-out tasks" in item.detail, item
+    assert 0.75 >= CONSTANT_LIMIT
+    marked = check_env(yes_no(_YesNo, "toy-yesnomarked-v0", default_mix=False, note="constant-answer prior 0.75"),
+                       n_tasks=2, n_generate=8)
+    item = _item(marked, "best constant")
+    assert item.passed and "marked, out of the default mix: constant-answer prior 0.75" in item.detail, item
+    assert marked.passed, marked.render()
+
+
+def test_a_domain_out_of_the_default_mix_must_say_why():
+    with pytest.raises(ValueError, match="needs a note"):
+        registry.register("toy-nonote-v0", _factory, _tasks, default_mix=False)
+    assert "toy-nonote-v0" not in registry._REGISTRY

@@ -1,11 +1,14 @@
 """Shared pieces of the reasoning-gym adapter tests: a deterministic stratified sample of domains,
-corrupted answers, and the in-process oracle (reasoning-gym's own `score_answer` on the generator's entry)."""
+corrupted answers, and the in-process oracles (reasoning-gym's own `score_answer` on the task's entry;
+the same under the project's rules of `envs/reasoning_gym/answers.py`)."""
 from __future__ import annotations
 
 import hashlib
 
+from envs.reasoning_gym.answers import ALL_OR_NOTHING, GATES, OWN_SCORERS, AnswerRefused
 from envs.reasoning_gym.catalog import DatasetInfo, datasets
-from envs.reasoning_gym.tasks import _item, open_dataset
+from envs.reasoning_gym.judge_worker import decode_entry
+from envs.reasoning_gym.tasks import open_dataset
 from jointrl.records import Task
 
 # Generators slower than ~20 ms per item here (measured in tests/envs/reasoning_gym/test_catalog.py's
@@ -46,13 +49,28 @@ def corruptions(ref: str) -> list[str]:
 
 
 def oracle(task: Task, answer: str) -> float | None:
-    """score_answer in this process, on the entry the generator makes (the test is the trusted side);
-    None when it raises (the judge reports that as `scorer_error`, reward 0)."""
+    """score_answer in this process, on the task's entry (the test is the trusted side); None when it
+    raises (the judge reports that as `scorer_error`, reward 0)."""
     ds = open_dataset(task.private["dataset"], _seed_of(task))[0]
     try:
-        return float(ds.score_answer(answer, _item(ds, int(task.private["index"]))))
+        return float(ds.score_answer(answer, decode_entry(task.private["entry"])))
     except Exception:  # noqa: BLE001 - e.g. prime_factorization raises ValueError on a non-number
         return None
+
+
+def project_oracle(task: Task, answer: str) -> float:
+    """The reward jointrl gives: `oracle` under the project's rules (own scorers, gates, all-or-nothing)."""
+    name = task.private["dataset"]
+    entry = decode_entry(task.private["entry"])
+    if name in OWN_SCORERS:
+        return OWN_SCORERS[name](answer, entry)
+    if name in GATES:
+        try:
+            GATES[name](answer, entry)
+        except AnswerRefused:
+            return 0.0
+    v = oracle(task, answer) or 0.0
+    return 0.0 if name in ALL_OR_NOTHING and v < 1.0 else v
 
 
 def _seed_of(task: Task) -> int:

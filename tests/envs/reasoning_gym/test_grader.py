@@ -1,6 +1,7 @@
 """The reasoning-gym grader against reasoning-gym's own `score_answer` (run here, in the test process, as
 the oracle): reference answers score 1 and corrupted answers score what `score_answer` gives (< 1), on
-every domain; the same through the Env API in both answer modes. Starts the judge process (slow, ~40 s,
+every domain; the same through the Env API in both answer modes, under the project's rules for the
+scorers it does not trust (`envs/reasoning_gym/answers.py`). Starts the judge process (slow, ~40 s,
 most of it generating one task per domain)."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import envs  # noqa: E402
 from envs.reasoning_gym.catalog import datasets  # noqa: E402
 from envs.reasoning_gym.judge import ItemRef, Judge  # noqa: E402
 from jointrl.records import Message  # noqa: E402
-from tests.envs.reasoning_gym.helpers import corruptions, oracle, stratified_sample  # noqa: E402
+from tests.envs.reasoning_gym.helpers import corruptions, oracle, project_oracle, stratified_sample  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def test_env_rewards_equal_score_answer(final_message):
         t = envs.generate_tasks(info.env_id, "train", 0, 1)[0]
         ref = t.private["reference"]
         wrong = next(c for c in corruptions(ref) if (oracle(t, c) or 0.0) < 1.0)
-        for answer, want in ((ref, 1.0), (wrong, oracle(t, wrong) or 0.0)):
+        for answer, want in ((ref, 1.0), (wrong, project_oracle(t, wrong))):
             msg = Message(role="assistant", content=f"Let me think.\n<answer>{answer}</answer>") if final_message \
                 else _answer_call(answer)
             res, g = _episode(info.env_id, t, msg, final_message=final_message)
