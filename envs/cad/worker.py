@@ -17,9 +17,15 @@ file may hold a worker for long or hold other episodes up:
   * `CadWorkerPool.grade` runs the static BREP scan (kernel/brep.py) in the calling process before
     a worker is taken: a file with forged counts, instancing bombs or thousands of solids is refused
     without touching the pool; the worker scans again before OCCT parses (`geometry.load_brep`);
+  * waiting callers are served cheapest first (`grade_cost`, from the scan's counts), and files outside
+    the plain envelope (`PLAIN`) hold at most `size - 1` workers at once, so an honest file waits only
+    for files no costlier than itself, never behind a queue of expensive ones;
   * acquiring a worker has a deadline (the same one as the whole grade), so a caller never waits
-    without bound; failing it raises `CadWorkerError` for that caller;
-  * a grade request has its own work timeout (`work_timeout_s`, well below the grade's deadline):
+    without bound; failing it raises `CadWorkerError` for a plain file and is the file's own 0
+    (`cost`) for a heavy one;
+  * a heavy file is graded in a child forked from the warm worker, under a CPU-time cap (RLIMIT_CPU) and
+    a wall cap: past either it scores 0 (`cost`), charged to it, and the worker lives on (`forked`);
+  * a plain grade has its own work timeout (`work_timeout_s`, well below the grade's deadline):
     a file that passes the scan but still overruns kills its worker and raises `CadWorkerError`
     for the episode that sent it (a visible grade error), and a replacement worker starts at once
     in the background, so the other episodes find a worker again without paying its start-up;
@@ -56,11 +62,11 @@ GRADE_WORK_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class PlainEnvelope:
-    """Files the pool grades in the worker's own process, before any other: one solid, no BSpline poles and
-    at most this many faces and edge uses. Every family's part sits well inside (4-26 faces, 20-130 edge
-    uses, no poles), and a file this small on analytic surfaces grades in ~0.01-0.1 s. Anything else is
-    "heavy": graded after every plainer file, on at most `size - 1` workers at once, in a forked child
-    with a CPU-time cap charged to the file (`CadWorkerPool`)."""
+    """Files the pool grades in the worker's own process, on any worker: one solid, no BSpline poles and at
+    most this many faces and edge uses. Every family's part sits well inside (4-26 faces, 20-130 edge uses,
+    no poles), and a file this small on analytic surfaces grades in ~0.01-0.1 s. Anything else is "heavy":
+    on at most `size - 1` workers at once, in a forked child with a CPU-time cap charged to the file
+    (`CadWorkerPool`). Both kinds wait in one queue ordered by `grade_cost`."""
 
     max_faces: int = 48
     max_edges: int = 300
