@@ -23,9 +23,11 @@ sandbox produced is trusted: the runner's report only decides what the agent is 
 a file is looked for; the file is agent-made data, scanned before OCCT parses it
 (kernel/brep.py) and checked as a solid before it is measured (kernel/geometry.py). An invalid
 file scores 0 with a `check/reject_<code>` metric saying why. The rubric: `score` minus 0.1 x the
-fraction of malformed calls; truncated episodes score 0; a grader failure (worker crash, the
-per-file work timeout, no worker within the deadline) is a visible grade error for that episode,
-never a silent 0. IoU, each feature check and the counts are reported as `check/...` metrics.
+fraction of malformed calls; truncated episodes score 0; a grader failure (worker crash, a plain
+file's work timeout, no worker within its deadline) is a visible grade error for that episode,
+never a silent 0, while a file outside the plain envelope that overruns its own CPU or wall cap (or its
+deadline in the queue) scores 0 with `check/reject_cost`: its cost is charged to it (envs/cad/worker.py).
+IoU, each feature check and the counts are reported as `check/...` metrics.
 
 `CadEnv` is the `ToolEnv` of cad-v0. Built with `prompt_views=True` (the runtime does so when the policy takes
 images: `rollout.max_images_per_prompt` > 0), it puts the target's four views (tasks.prompt_image, 320 x 320) on
