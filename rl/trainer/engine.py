@@ -58,3 +58,27 @@ def load_policy(model_dir: str | os.PathLike[str], dtype: str = "float32") -> to
     m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=td)
     m.config.use_cache = False
     return m
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak of this process's resident memory (Linux: VmHWM back to the current RSS, kernel >= 4.0;
+    elsewhere nothing, and `peak_rss_gb` reports the process's lifetime peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory since `reset_peak_rss` (GiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

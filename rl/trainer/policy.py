@@ -25,7 +25,7 @@ from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
 from rl.trainer import checkpointing
-from rl.trainer.engine import deepspeed_config, init_distributed, load_policy  # noqa: F401  (imported from here too)
+from rl.trainer.engine import deepspeed_config, init_distributed, load_policy, peak_rss_gb, reset_peak_rss  # noqa: F401
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
 from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
@@ -336,6 +336,7 @@ class PolicyTrainer:
         if self.objective is None:
             raise RuntimeError("PolicyTrainer.train_step needs an objective")
         t0 = time.perf_counter()
+        reset_peak_rss()
         self.engine.train()
         mode = self.routing_mode(batch)
         B = 0 if pad_only else batch.num_seqs
@@ -411,6 +412,7 @@ class PolicyTrainer:
             "train/step_s": step_s,
             "train/tokens": tokens,
             "train/tokens_per_s": tokens / max(step_s, 1e-9),
+            "train/peak_rss_gb": peak_rss_gb(),  # this rank's peak resident memory during the update
             "train/forward_tokens": float(fwd_tokens),
             "train/seqs": float(B),
             "train/routing_replay_" + mode: 1.0,

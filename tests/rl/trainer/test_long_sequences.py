@@ -86,9 +86,10 @@ def _policy_runs(init: str, batch) -> dict:
         old, routes = tr.compute_logprobs(batch)
         ref = tr.reference_logprobs(batch)
         b = batch.with_(old_logprobs_BT=old, ref_logprobs_BT=ref, routed_experts_BTLK=routes, routes_from="trainer")
-        tr.train_step(b)
+        m = tr.train_step(b)
         runs[name] = {"old": old[mask], "ref": ref[mask], "routes": routes[batch.attention_mask_BT > 0],
-                      "micro_batches": len(micro_rows(batch, tr.spec.micro)), **snap}
+                      "micro_batches": len(micro_rows(batch, tr.spec.micro)),
+                      "metrics": (m["train/tokens_per_s"], m["train/peak_rss_gb"]), **snap}
     return runs
 
 
@@ -131,6 +132,7 @@ def _compare(runs: dict) -> dict:
             "grad_err": max(_diff(a, b) for a, b in zip(r["grads"], base["grads"])),
             "grad_max": max(float(b.abs().max()) for b in base["grads"]),
             "micro_batches": r.get("micro_batches"),
+            "metrics": r.get("metrics"),
         }
         if "old" in r:
             res[name].update(old=_diff(r["old"], base["old"]), ref=_diff(r["ref"], base["ref"]),
@@ -195,6 +197,8 @@ def test_long_sequence_knobs_leave_logprobs_routes_and_update_unchanged(tmp_path
             assert r["n_grads"][0] == r["n_grads"][1] > 0, where
             assert r["grad_err"] < 1e-4 * r["grad_max"], where
             if model != "critic":
+                tokens_per_s, peak_gb = r["metrics"]
+                assert tokens_per_s > 0 and 0.1 < peak_gb < 64, where
                 assert r["old"] < 1e-5 and r["ref"] < 1e-5, where
                 assert r["routes_equal"], where
             if model == "hybrid":  # a checkpointed layer's recompute does not count its tokens' expert load again

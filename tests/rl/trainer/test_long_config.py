@@ -1,0 +1,58 @@
+"""The long-sequence config keys are checked before anything starts, and the step metrics they are judged by
+combine over ranks as documented: `train/peak_rss_gb` the largest rank's, `train/tokens_per_s` the step's tokens
+over its slowest rank's time."""
+from __future__ import annotations
+
+import pytest
+
+from rl.config import ConfigError, load_config
+from rl.trainer.engine import peak_rss_gb, reset_peak_rss
+from rl.trainer.group import reduce_rank_metrics
+
+
+def test_long_sequence_keys():
+    cfg = load_config(None, ["trainer.logprob_tile_tokens=2048", "trainer.activation_checkpointing=on",
+                             "trainer.max_tokens_per_micro_batch=32768"])
+    t = cfg.trainer
+    assert (t.logprob_tile_tokens, t.activation_checkpointing, t.max_tokens_per_micro_batch) == (2048, "on", 32768)
+    assert load_config().trainer.activation_checkpointing == "auto" and load_config().trainer.sequence_parallel_size == 1
+    with pytest.raises(ConfigError, match="'trainer.activation_checkpointing'.*'off', 'on', 'auto'"):
+        load_config(None, ["trainer.activation_checkpointing=sometimes"])
+    with pytest.raises(ConfigError, match="'trainer.logprob_tile_tokens': value -1 must be >= 0"):
+        load_config(None, ["trainer.logprob_tile_tokens=-1"])
+    with pytest.raises(ConfigError, match="'trainer.max_tokens_per_micro_batch': value -5 must be >= 0"):
+        load_config(None, ["trainer.max_tokens_per_micro_batch=-5"])
+    with pytest.raises(ConfigError, match="'trainer.sequence_parallel_size': value 2 is not allowed; allowed values: 1"):
+        load_config(None, ["trainer.sequence_parallel_size=2"])
+
+
+def test_trainer_spec_modes_are_checked():
+    from types import SimpleNamespace
+
+    from rl.trainer import checkpointing
+
+    with pytest.raises(ValueError, match="trainer.activation_checkpointing='x'"):
+        checkpointing.check_mode("x")
+    small = SimpleNamespace(hidden_size=576, num_hidden_layers=30)  # SmolLM2-135M's trunk
+    assert not checkpointing.wanted("auto", 2048, small) and checkpointing.wanted("auto", 8192, small)
+    assert checkpointing.wanted("on", 1, small) and not checkpointing.wanted("off", 10**6, small)
+
+
+def test_step_metrics_over_ranks():
+    ranks = [{"train/tokens": 3000.0, "train/step_s": 2.0, "train/tokens_per_s": 1500.0, "train/peak_rss_gb": 7.5, "train/seqs": 3.0},
+             {"train/tokens": 1000.0, "train/step_s": 4.0, "train/tokens_per_s": 250.0, "train/peak_rss_gb": 9.0, "train/seqs": 1.0}]
+    m = reduce_rank_metrics(ranks)
+    assert m["train/peak_rss_gb"] == 9.0
+    assert m["train/tokens_per_s"] == pytest.approx(4000.0 / 4.0)
+
+
+def test_peak_rss_follows_an_allocation_and_resets():
+    import torch
+
+    reset_peak_rss()
+    before = peak_rss_gb()
+    x = torch.ones(64 * 2**20 // 4 * 8)  # 512 MiB, touched
+    grown = peak_rss_gb()
+    del x
+    reset_peak_rss()
+    assert grown - before > 0.4 and peak_rss_gb() < grown - 0.3
