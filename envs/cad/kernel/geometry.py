@@ -122,9 +122,9 @@ class FaceSig:
 
     `kind`: the surface type ("plane", "cylinder", "cone", "sphere", "torus", or "other" for BSpline and other
     free-form surfaces). `axis`: a plane's outward unit normal; the unit axis of a cylinder, cone or torus (its
-    sign is arbitrary); zeros otherwise. `origin`: a point on that axis (a sphere's centre); zeros for planes
-    and free-form faces. `radius`: cylinder, sphere, torus (major), cone (at `origin`); `radius2`: torus
-    (minor), cone (semi-angle, rad). `concave`: a curved surface of revolution whose outward normal points
+    sign is arbitrary); zeros otherwise. `origin`: a point on that axis (a sphere's or torus's centre, a
+    cone's apex); zeros for planes and free-form faces. `radius`: cylinder, sphere, torus (major); `radius2`:
+    torus (minor), cone (|semi-angle|, rad). `concave`: a curved surface of revolution whose outward normal points
     toward its axis (or centre): the material is outside it, as around a drilled hole's wall.
     """
 
@@ -467,9 +467,9 @@ def face_sig(face) -> FaceSig:
         if kind == "cylinder":
             g = ad.Cylinder()
             ax, r1 = g.Axis(), g.Radius()
-        elif kind == "cone":
+        elif kind == "cone":  # placed by its apex: a cone's reference radius depends on where its frame sits
             g = ad.Cone()
-            ax, r1, r2 = g.Axis(), g.RefRadius(), g.SemiAngle()
+            ax, r2 = g.Axis(), abs(g.SemiAngle())
         elif kind == "torus":
             g = ad.Torus()
             ax, r1, r2 = g.Axis(), g.MajorRadius(), g.MinorRadius()
@@ -477,6 +477,8 @@ def face_sig(face) -> FaceSig:
             g = ad.Sphere()
             ax, r1 = g.Position().Axis(), g.Radius()
         o, d = np.array(_xyz(ax.Location())), np.array(_xyz(ax.Direction()))
+        if kind == "cone":
+            o = np.array(_xyz(g.Apex()))
         q = np.array(_xyz(p))
         foot = o if kind == "sphere" else o + np.dot(q - o, d) * d  # nearest point of the axis (the centre)
         if kind == "torus":  # nearest point of the torus's core circle
@@ -518,10 +520,15 @@ def _same_face(a: FaceSig, b: FaceSig, tol: float, area_tol: float) -> bool:
     dot = sum(x * y for x, y in zip(a.axis, b.axis))
     if a.kind == "plane":
         return dot >= 1.0 - ANGLE_TOL ** 2 / 2  # normals: the same direction, the material on the same side
-    if a.concave != b.concave or abs(a.radius - b.radius) > tol or abs(a.radius2 - b.radius2) > tol:
+    if a.concave != b.concave or abs(a.radius - b.radius) > tol:
         return False
-    if a.kind == "sphere":
-        return math.dist(a.origin, b.origin) <= tol
+    if abs(a.radius2 - b.radius2) > (ANGLE_TOL if a.kind == "cone" else tol):
+        return False
+    if a.kind in ("sphere", "cone"):  # the centre; the apex
+        if math.dist(a.origin, b.origin) > tol:
+            return False
+        if a.kind == "sphere":
+            return True
     if abs(dot) < 1.0 - ANGLE_TOL ** 2 / 2:
         return False
     # The two axes are one line: the agent's axis point lies on the reference's axis (cones: the same apex side

@@ -322,3 +322,24 @@ def test_hardened_grading_path_scores_every_family_one():
         c.check()
         assert c.score == 1.0, (name, c)
         assert c.v_agent_only < 1e-6 * c.v_ref and c.v_ref_only < 1e-6 * c.v_ref
+
+
+def test_features_match_across_constructions_with_cones_and_spheres():
+    """Face matching places a cone by its apex and half-angle (its frame may sit anywhere on the axis) and a
+    sphere by its centre; the Euler count leaves out the degenerated edge at a pole or an apex."""
+    csk = cq.Workplane().box(40, 40, 10).faces(">Z").workplane().cskHole(6, 12, 90).val()
+    csk_other = (cq.Workplane().box(40, 40, 10).val()
+                 .cut(cq.Solid.makeCone(0, 12, 12, cq.Vector(0, 0, -1), cq.Vector(0, 0, 1)))
+                 .cut(cq.Solid.makeCylinder(3, 12, cq.Vector(0, 0, -6))))
+    dome = cq.Workplane().box(20, 20, 4).faces(">Z").workplane().sphere(5).val()
+    dome_other = cq.Solid.makeBox(20, 20, 4, cq.Vector(-10, -10, -2)).fuse(
+        cq.Workplane().sphere(5).val().translate(cq.Vector(0, 0, 2))).clean()
+    for a, b, holes in ((csk, csk_other, 1), (dome, dome_other, 0)):
+        assert G.through_holes(a) == G.through_holes(b) == holes
+        c = G.compare(G.to_shape(b), G.to_shape(a))
+        assert c.score == 1.0, c
+    walls = G.features(csk).hole_walls
+    assert sorted(G.features(csk).faces[i].kind for i in walls) == ["cone", "cylinder"]
+    # A countersink of another angle (100 degrees) is another hole.
+    wider = cq.Workplane().box(40, 40, 10).faces(">Z").workplane().cskHole(6, 12, 100).val()
+    assert G.compare(G.to_shape(wider), G.to_shape(csk)).holes_ok == 0.0
