@@ -190,6 +190,15 @@ def sft_data(rt: Any) -> list[Episode]:
         per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
         tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
         eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.codec, max_concurrent=slots))
+        # References longer than the context: played through the agent loop with the run's context strategy
+        # (`window` where it is `full`, which could not show them at all), so they come in segments that fit.
+        long_ids = {e.task_id for e in eps if len(e.token_ids) > rt.cfg.rollout.max_model_len}
+        if long_ids:
+            from rl.rollout.replay import demonstration_settings, reference_in_context
+
+            eps = [e for e in eps if e.task_id not in long_ids] + asyncio.run(reference_in_context(
+                [t for t in tasks if t.id in long_ids], rt.make_env, rt.codec, demonstration_settings(rt._loop_settings()),
+                max_concurrent=slots))
     eps = [e for e in eps if len(e.token_ids) <= rt.cfg.rollout.max_model_len]
     rt._sft_episodes = eps
     return eps

@@ -15,6 +15,9 @@ SFT + RL, SFT continued for RL's wall time) and its figures (scripts/learning_re
     .venv/bin/python scripts/learning_run.py cad-pose trainer.steps=12     # attempt 15 (run as 14 resumed to step 12)
     .venv/bin/python scripts/learning_run.py cad-pose name=learning_cad_pose240 eval.n_per_domain=240   # attempt 16: ~98 min
     .venv/bin/python scripts/learning_run.py terminal-teacher --dry-run   # print the commands only
+    .venv/bin/python scripts/learning_run.py longhorizon-window    # long episodes (docs/rollout.md): window context,
+    .venv/bin/python scripts/learning_run.py longhorizon-full      #   and the same run keeping the full history
+    .venv/bin/python scripts/learning_report.py runs/learning_longhorizon_window --against runs/learning_longhorizon_full
 
 Extra `key=value` arguments go to `jointrl train` after the recipe's own (the last one wins). It does not
 tune anything: each recipe is the committed config plus the overrides its attempt ran with.
@@ -54,6 +57,10 @@ RECIPES: dict[str, Recipe] = {
     "cad-pose": Recipe(
         "cad-primitive-v0", ("--tasks", "48", "--wrong", "0.7", "--mistake", "pose-blind"), "configs/learning_cad.yaml",
         ("name=learning_cad_pose", "trainer.sft_steps=48", "trainer.steps=6"), "14"),
+    # Long episodes (docs/rollout.md, "Long episodes"): the same run with a window context and with the full history.
+    "longhorizon-window": Recipe("terminal-longhorizon-v0", (), "configs/learning_longhorizon.yaml", (), "long-horizon window"),
+    "longhorizon-full": Recipe("terminal-longhorizon-v0", (), "configs/learning_longhorizon.yaml",
+                               ("name=learning_longhorizon_full", "rollout.context=full"), "long-horizon full"),
 }
 
 
@@ -87,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     venv = REPO / ".venv" / "bin"
     cmds = commands(args.recipe, args.overrides, str(venv / "python"), str(venv / "jointrl"))
-    print(f"# {args.recipe}: attempt {RECIPES[args.recipe].attempt} in docs/training.md", flush=True)
+    r = RECIPES[args.recipe]
+    where = "docs/rollout.md" if r.env_id == "terminal-longhorizon-v0" else "docs/training.md"
+    print(f"# {args.recipe}: attempt {r.attempt} in {where}", flush=True)
     for cmd in cmds:
         print("+", shlex.join(cmd), flush=True)
         if not args.dry_run:

@@ -229,3 +229,28 @@ def test_images_in_the_history_are_placed_again_in_each_new_context(codecs):
     for s in segments_of(ep):
         check_spans(s.token_ids, s.images, spec.image_token_id)
         assert all(np.all(np.asarray(s.loss_mask[i.start:i.start + i.length]) == 0) for i in s.images)
+
+
+@pytest.mark.parametrize("strategy", ["window", "summarize"])
+def test_references_longer_than_the_context_replay_as_segments_for_sft(codecs, strategy):
+    """rl/rollout/replay.py: the reference played through the loop gives the segments the policy's episodes have,
+    each within the context, scoring 1 (rl/sft.py uses these when a reference outgrows rollout.max_model_len)."""
+    from rl.rollout.replay import REFERENCE_SUMMARY, reference_in_context
+
+    codec = codecs["hf"]
+    settings = LoopSettings(max_model_len=LEN, max_new_tokens_per_turn=96, max_turns=40, end_token_id=codec.end_token_id,
+                            context=ContextSettings(strategy=strategy))
+    eps = asyncio.run(reference_in_context([_task(0), _task(1)], lambda t: envs.make(ENV), codec, settings))
+    assert len(eps) == 2
+    for e in eps:
+        assert e.reward == 1.0 and len(segments_of(e)) >= 3
+        assert all(len(s.token_ids) <= LEN and sum(s.loss_mask) > 0 for s in segments_of(e))
+        if strategy == "summarize":
+            assert sum(REFERENCE_SUMMARY in m.content for m in e.messages if m.role == "assistant") == e.metrics["compactions"]
+
+
+def test_demonstrations_of_a_full_context_run_are_shown_in_a_window():
+    from rl.rollout.replay import demonstration_settings
+
+    s = demonstration_settings(LoopSettings(context=ContextSettings(strategy="full", by_domain={"a": "full", "b": "summarize"})))
+    assert (s.context.strategy, s.context.by_domain) == ("window", {"a": "window", "b": "summarize"})
