@@ -11,6 +11,9 @@ one line per burst, with a count (`CHATTER`): vLLM's "Attempted to load weight .
 converted tensor at every engine start) become one INFO line, its "Following weights were not loaded" notices
 (one per partial weight update) one DEBUG line. The originals, in full, are in the log files.
 
+The same line repeated back to back (vLLM's CPU worker warns once per thread) is written once, then
+"(the line above N more time(s))".
+
 `progress(iterable, desc, total)` wraps tqdm (silenced with JOINTRL_PROGRESS=0, so CI logs stay readable);
 `StartupStages` logs a run's start-up as numbered stages with the time each took and, from the previous start
 of the same model on this machine, an estimate of the time left.
@@ -55,7 +58,11 @@ class QuietStreamHandler(logging.StreamHandler):
         super().__init__(stream)
         self._follow_stderr = stream is None  # None: whatever sys.stderr is at each write (test capture, redirection)
         self._pending: dict[int, list] = {}  # chatter index -> [count, first record]
+        self._last_key: tuple | None = None  # the last line written, and how often it came again since
+        self._last_args: object = None
+        self._repeats = 0
         atexit.register(self.flush_chatter)
+        atexit.register(self._flush_repeats)
 
     def flush(self) -> None:
         if self._follow_stderr:
@@ -87,15 +94,30 @@ class QuietStreamHandler(logging.StreamHandler):
         if i is None:
             if self._pending:
                 self.flush_chatter()
+            key = (record.name, record.levelno, record.msg if isinstance(record.msg, str) else None)
+            if key[2] is not None and key == self._last_key and record.args == self._last_args:
+                self._repeats += 1  # the same line again (one per thread, per worker start...): counted, not shown
+                return
+            self._flush_repeats()
+            self._last_key, self._last_args = key, record.args
             super().emit(record)
             return
+        self._flush_repeats()
         if self._pending and i not in self._pending:
             self.flush_chatter()
         entry = self._pending.setdefault(i, [0, record])
         entry[0] += 1
 
+    def _flush_repeats(self) -> None:
+        if self._repeats:
+            n, self._repeats = self._repeats, 0
+            name, level, _ = self._last_key
+            super().emit(logging.LogRecord(name, level, "", 0, f"(the line above {n} more time(s))", None, None))
+        self._last_key, self._last_args = None, None
+
     def close(self) -> None:
         self.flush_chatter()
+        self._flush_repeats()
         super().close()
 
 
