@@ -4,15 +4,21 @@
 `--url` (default http://127.0.0.1:8100) and print JSON: `submit` the new id, `status` the job,
 `watch` one event per line until the job is final (exit 0 when done, 1 when failed or cancelled),
 `cancel` the outcome. Config errors exit 2 before anything starts.
+
+Keys: `serve --api-key K` (repeatable: one key per client) or `$JOINTRL_JOBS_API_KEY` (comma-separated);
+required with a non-loopback `--host`. The client subcommands send `--api-key K` or
+`$JOINTRL_JOBS_API_KEY` as `Authorization: Bearer K`; a job is visible to the key that submitted it only.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
 from rl.config import ConfigError
+from rl.jobs.guard import JOBS_KEY_ENV, check_key, keys_from
 from rl.jobs.records import SPLITS, TIERS, JobsConfig
 
 DEFAULT_URL = "http://127.0.0.1:8100"
@@ -26,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the jobs API, the broker and database if none run, the policy and N agent workers")
     s.add_argument("model", help="checkpoint dir, a file:// / s3:// URL of an exported one, or a shipped config name (tiny: random weights)")
     s.add_argument("--port", type=int, default=8100)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs an API key")
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"accept this key (repeat for several clients; each sees only its own jobs); default ${JOBS_KEY_ENV}, comma-separated")
     s.add_argument("--workers", type=int, default=_D.workers, help="replicas at start")
     s.add_argument("--min-workers", type=int, default=None, help="autoscaler floor (default: --workers)")
     s.add_argument("--max-workers", type=int, default=None, help="autoscaler ceiling (default: --workers)")
@@ -38,11 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-attempts", type=int, default=_D.max_attempts, help="attempts before a job goes to the dead-letter stream")
     s.add_argument("--max-turns", type=int, default=None, help="cap on turns per episode (default: the task's own limit)")
     s.add_argument("--max-new-tokens", type=int, default=_D.max_new_tokens_per_turn, help="tokens generated per turn at most")
+    s.add_argument("--job-timeout", type=float, default=_D.job_timeout_s,
+                   help="seconds one attempt may run; past it the job fails for good and its worker is freed")
 
     for name, hlp in (("submit", "submit a job"), ("status", "print a job's status and result"),
                       ("watch", "stream a job's events until it ends"), ("cancel", "cancel a job")):
         c = sub.add_parser(name, help=hlp)
         c.add_argument("--url", default=DEFAULT_URL)
+        c.add_argument("--api-key", default=None, metavar="KEY", help=f"the key to send (default ${JOBS_KEY_ENV})")
         if name == "submit":
             c.add_argument("env", help="environment id, e.g. terminal-basics-v0")
             c.add_argument("--split", choices=SPLITS, default="train")
@@ -59,13 +71,15 @@ def config_from_args(a: argparse.Namespace) -> JobsConfig:
                       max_workers=a.workers if a.max_workers is None else a.max_workers,
                       jobs_per_worker=a.jobs_per_worker, scale_down_delay_s=a.scale_down_delay, claim_timeout_s=a.claim_timeout,
                       max_attempts=a.max_attempts, max_turns=a.max_turns, max_new_tokens_per_turn=a.max_new_tokens,
-                      policy_url=a.policy_url)
+                      policy_url=a.policy_url, job_timeout_s=a.job_timeout)
 
 
-def _client(url: str):
+def _client(url: str, api_key: str | None):
     import httpx
 
-    return httpx.Client(base_url=url, timeout=30)
+    key = api_key if api_key is not None else os.environ.get(JOBS_KEY_ENV)
+    headers = {} if key is None else {"Authorization": f"Bearer {check_key(key, '--api-key' if api_key is not None else f'${JOBS_KEY_ENV}')}"}
+    return httpx.Client(base_url=url, timeout=30, headers=headers)
 
 
 def _print(obj: object) -> None:
@@ -80,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "serve":
         try:
             cfg = config_from_args(args)
+            keys = keys_from(args.api_key, os.environ)
+            from rl.jobs.server import check_access
+
+            check_access(args.host, keys)
         except ConfigError as e:
             print(f"jointrl jobs: config error: {e}", file=sys.stderr)
             return 2
@@ -88,11 +106,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model = args.model if cfg.policy_url else str(resolve_model(args.model))
         try:
-            return serve(model, args.port, cfg)
+            return serve(model, args.port, cfg, host=args.host, api_keys=keys)
         except ConfigError as e:
             print(f"jointrl jobs: config error: {e}", file=sys.stderr)
             return 2
-    with _client(args.url) as c:
+    try:
+        client = _client(args.url, args.api_key)
+    except ConfigError as e:
+        print(f"jointrl jobs {args.cmd}: config error: {e}", file=sys.stderr)
+        return 2
+    with client as c:
         if args.cmd == "submit":
             r = c.post("/v1/jobs", json={"env": args.env, "split": args.split, "index": args.index, "thinking": args.thinking})
         elif args.cmd == "status":

@@ -23,6 +23,7 @@ What this module does not do: run jobs, or scale the policy engine (one engine s
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from rl.jobs.broker import Broker, die_with_parent
+from rl.jobs.guard import POLICY_KEY_ENV
 from rl.jobs.records import JobsConfig, PoolStats, WorkerInfo
 from rl.log import get_logger
 
@@ -47,9 +49,10 @@ class _Replica:
 
 
 class WorkerPool:
-    def __init__(self, cfg: JobsConfig, policy_url: str, log_dir: str) -> None:
+    def __init__(self, cfg: JobsConfig, policy_url: str, log_dir: str, policy_key: str | None = None) -> None:
         self.cfg = cfg
         self.policy_url = policy_url
+        self._env = {**os.environ, **({POLICY_KEY_ENV: policy_key} if policy_key is not None else {})}
         self.log_dir = log_dir
         self._replicas: list[_Replica] = []
         self._lock = threading.Lock()
@@ -62,7 +65,7 @@ class WorkerPool:
         name = f"w{self._n}-{int(time.time() * 1000) % 10**8}"  # unique across server restarts: a new consumer name
         out = open(f"{self.log_dir}/{name}.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "rl.jobs.worker", "--name", name, "--policy-url", self.policy_url,
-                                 "--config", self.cfg.to_json()], stdout=out, stderr=subprocess.STDOUT,
+                                 "--config", self.cfg.to_json()], stdout=out, stderr=subprocess.STDOUT, env=self._env,
                                 preexec_fn=die_with_parent(signal.SIGKILL))
         self._replicas.append(_Replica(name, proc, time.time()))
         self.spawned += 1

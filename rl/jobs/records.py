@@ -20,6 +20,8 @@ FINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 SPLITS: tuple[str, ...] = ("train", "heldout")
 TIERS: tuple[str, ...] = ("low", "high", "max")
 MAX_MODEL_LEN = 2048  # the policy engine's context, and the agent loop's (the shipped tiny/small models' default)
+MAX_INDEX = 2**31 - 1  # no split is this large; bounds what the database stores and compares
+MAX_ENV_ID_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -33,14 +35,16 @@ class JobSpec:
     thinking: str = "low"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.env, str) or not self.env:
-            raise ConfigError(f"job.env must be an environment id, got {self.env!r}")
-        if self.split not in SPLITS:
-            raise ConfigError(f"job.split must be one of {list(SPLITS)}, got {self.split!r}")
-        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ConfigError(f"job.index must be an integer >= 0, got {self.index!r}")
-        if self.thinking not in TIERS:
-            raise ConfigError(f"job.thinking must be one of {list(TIERS)}, got {self.thinking!r}")
+        from rl.jobs.guard import short
+
+        if not isinstance(self.env, str) or not self.env or len(self.env) > MAX_ENV_ID_CHARS:
+            raise ConfigError(f"job.env must be an environment id (at most {MAX_ENV_ID_CHARS} characters), got {short(self.env)}")
+        if not isinstance(self.split, str) or self.split not in SPLITS:
+            raise ConfigError(f"job.split must be one of {list(SPLITS)}, got {short(self.split)}")
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or not 0 <= self.index <= MAX_INDEX:
+            raise ConfigError(f"job.index must be an integer in [0, {MAX_INDEX}], got {short(self.index)}")
+        if not isinstance(self.thinking, str) or self.thinking not in TIERS:
+            raise ConfigError(f"job.thinking must be one of {list(TIERS)}, got {short(self.thinking)}")
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "JobSpec":
@@ -85,9 +89,11 @@ class JobView:
     created_at: float
     started_at: float | None
     finished_at: float | None
+    owner: str | None = None  # guard.key_id of the API key that submitted it; None without keys (not sent to clients)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("owner")
         d["result"] = None if self.result is None else asdict(self.result)
         return d
 
@@ -125,6 +131,9 @@ class JobsConfig:
     max_turns: int | None = None  # None: the task's own limit
     max_new_tokens_per_turn: int = 256
     policy_url: str | None = None  # an already-running policy server; None: the server starts one for MODEL
+    # wall-clock limit of one attempt: past it the attempt is cancelled (or its worker replaced when the
+    # job is stuck in code that cannot be cancelled) and the job fails for good, freeing the worker
+    job_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         for key in ("min_workers", "max_workers", "workers", "max_attempts", "max_new_tokens_per_turn"):
@@ -134,7 +143,7 @@ class JobsConfig:
                 raise ConfigError(f"jobs.{key} must be an integer >= {low}, got {v!r}")
         if self.max_workers < self.min_workers:
             raise ConfigError(f"jobs.max_workers ({self.max_workers}) must be >= jobs.min_workers ({self.min_workers})")
-        for key in ("claim_timeout_s", "jobs_per_worker"):
+        for key in ("claim_timeout_s", "jobs_per_worker", "job_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"jobs.{key} must be > 0, got {getattr(self, key)!r}")
         if self.scale_down_delay_s < 0:

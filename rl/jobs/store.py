@@ -39,7 +39,8 @@ class JobStore(ABC):
     """What the API server and the workers need from a database."""
 
     @abstractmethod
-    def create_job(self, spec: JobSpec) -> str: ...
+    def create_job(self, spec: JobSpec, owner: str | None = None) -> str:
+        """Record a queued job; `owner` is the submitting key's id (rl/jobs/guard.py: key_id), None without keys."""
 
     @abstractmethod
     def get(self, job_id: str) -> JobView | None: ...
@@ -111,6 +112,10 @@ MIGRATIONS: tuple[str, ...] = (
         num_turns INTEGER NOT NULL, policy_version INTEGER NOT NULL, grade_error TEXT, wall_s REAL NOT NULL);
     CREATE INDEX jobs_finished ON jobs(finished_at);
     """,
+    # 2 -> 3: the owner of each job (a hash of the API key that submitted it; NULL when the server had no keys)
+    """
+    ALTER TABLE jobs ADD COLUMN owner TEXT;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -174,11 +179,12 @@ class SqliteStore(JobStore):
         return int(cur.lastrowid)
 
     # -- JobStore
-    def create_job(self, spec: JobSpec) -> str:
-        job_id = uuid.uuid4().hex[:16]
+    def create_job(self, spec: JobSpec, owner: str | None = None) -> str:
+        job_id = uuid.uuid4().hex  # 128 random bits: ids are not guessable (ownership is checked as well)
 
         def tx(c: sqlite3.Connection) -> str:
-            c.execute("INSERT INTO jobs(id, spec, status, created_at) VALUES (?,?,?,?)", (job_id, spec.to_json(), "queued", time.time()))
+            c.execute("INSERT INTO jobs(id, spec, status, created_at, owner) VALUES (?,?,?,?,?)",
+                      (job_id, spec.to_json(), "queued", time.time(), owner))
             self._event(c, job_id, 0, "queued", {})
             return job_id
 
@@ -186,13 +192,13 @@ class SqliteStore(JobStore):
 
     def get(self, job_id: str) -> JobView | None:
         with self._lock:
-            row = self._conn.execute("SELECT id, spec, status, attempts, result, error, created_at, started_at, finished_at "
+            row = self._conn.execute("SELECT id, spec, status, attempts, result, error, created_at, started_at, finished_at, owner "
                                      "FROM jobs WHERE id=?", (job_id,)).fetchone()
         if row is None:
             return None
         result = None if row[4] is None else JobResult(**json.loads(row[4]))
         return JobView(id=row[0], spec=JobSpec(**json.loads(row[1])), status=row[2], attempts=int(row[3]), result=result,
-                       error=row[5], created_at=row[6], started_at=row[7], finished_at=row[8])
+                       error=row[5], created_at=row[6], started_at=row[7], finished_at=row[8], owner=row[9])
 
     def set_entry(self, job_id: str, entry_id: str) -> None:
         self._tx(lambda c: c.execute("UPDATE jobs SET entry_id=? WHERE id=?", (entry_id, job_id)))

@@ -12,6 +12,16 @@ used up `max_attempts` (its earlier attempts raised, or died with their worker) 
 dead-letter stream; otherwise the attempt is counted, the episode runs while a heartbeat thread
 keeps the entry ours and watches for cancellation, and the result is stored before the entry is
 acknowledged. An attempt that raises is re-enqueued at once (or dead-lettered on the last attempt).
+Two failures are final at once, since another attempt would fail the same way at the same cost: a
+task index past the split (`TaskIndexError`), and an attempt past `job_timeout_s` (`JobTimeout`).
+
+The time limit frees the worker whatever the job does: at the deadline the watcher cancels the
+episode; an episode stuck in code that cannot be cancelled (a long synchronous computation) is
+failed by the watcher itself after `CANCEL_GRACE_S`, and the worker process exits (`EXIT_STUCK`) so
+the pool starts a fresh replica in its place.
+
+Task sets come from the environments' on-disk cache (`envs.tasks`, as training reads them), so a
+slow generator runs once per machine, not once per worker process.
 
 SIGTERM drains: the worker finishes the job in hand, then exits (the autoscaler's scale-down).
 
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import signal
 import sys
 import threading
@@ -39,21 +50,33 @@ from rl.log import get_logger, setup_logging
 log = get_logger("jobs.worker")
 
 
+CANCEL_GRACE_S = 5.0  # after the deadline, how long a cancelled episode may take to stop before the worker exits
+EXIT_STUCK = 75  # the exit code of a worker that left a job stuck past its time limit
+
+
+class TaskIndexError(IndexError):
+    """The job names a task past the end of its split: no attempt can succeed."""
+
+
+class JobTimeout(Exception):
+    """The attempt ran past `job_timeout_s`."""
+
+
 @functools.lru_cache(maxsize=16)
 def _split_tasks(env_id: str, split: str, seed: int) -> tuple[Task, ...]:
-    from envs.registry import generate_tasks
+    import envs
 
-    return tuple(generate_tasks(env_id, split, seed))
+    return tuple(Task.from_row(r) for r in envs.tasks(env_id, split, seed=seed))
 
 
-TASK_SEED = 0  # the seed every split is generated with (envs.registry.generate_tasks)
+TASK_SEED = 0  # the seed every split is generated with (envs.registry.tasks, as training uses it)
 
 
 def task_for(spec: JobSpec) -> Task:
-    """The task a job names; IndexError (a poison job) when the split has no task `index`."""
+    """The task a job names; TaskIndexError when the split has no task `index`."""
     tasks = _split_tasks(spec.env, spec.split, TASK_SEED)
     if spec.index >= len(tasks):
-        raise IndexError(f"{spec.env} split {spec.split!r} has {len(tasks)} tasks; job index {spec.index} is out of range")
+        raise TaskIndexError(f"{spec.env} split {spec.split!r} has {len(tasks)} tasks; job index {spec.index} is out of range")
     return replace(tasks[spec.index], thinking=spec.thinking)  # type: ignore[arg-type]
 
 
@@ -160,6 +183,10 @@ class Worker:
         except asyncio.CancelledError:
             self.broker.ack(d.entry_id)  # DELETE /v1/jobs/{id}: the store already says cancelled
             return
+        except (TaskIndexError, JobTimeout) as e:  # another attempt would fail the same way: final now
+            log.warning("%s: job %s attempt %d failed for good: %s", self.name, d.job_id, attempt, e)
+            self._dead_letter(d, attempt, f"{type(e).__name__}: {e}")
+            return
         except Exception as e:  # noqa: BLE001 - any failure of the attempt is recorded, never lost
             error = f"{type(e).__name__}: {e}"
             log.warning("%s: job %s attempt %d failed: %s", self.name, d.job_id, attempt, traceback.format_exc())
@@ -185,15 +212,38 @@ class Worker:
         log.warning("%s: job %s dead-lettered after %d attempts: %s", self.name, d.job_id, attempts, error)
 
     def _run_watched(self, d: Delivery, spec: JobSpec, attempt: int):
-        """Run the episode; a thread keeps the entry ours (heartbeat) and cancels the episode if the job is cancelled."""
+        """Run the episode; a thread keeps the entry ours (heartbeat), cancels the episode if the job is cancelled,
+        and enforces `job_timeout_s` (module docstring). Raises JobTimeout for an attempt past its limit."""
         stop = threading.Event()
+        timed_out = threading.Event()
         loop = asyncio.new_event_loop()
         emit = lambda kind, data: self.store.add_event(d.job_id, attempt, kind, data)  # noqa: E731
         task = loop.create_task(self.runner.run(d.job_id, spec, emit))
+        limit = self.cfg.job_timeout_s
+        deadline = time.monotonic() + limit
+
+        def stuck() -> None:
+            """The episode ignored its cancellation: fail the job from here and replace this process."""
+            error = (f"JobTimeout: the attempt ran past jobs.job_timeout_s={limit:g}s and did not stop within "
+                     f"{CANCEL_GRACE_S:g}s of its cancellation; its worker {self.name} was replaced")
+            log.error("%s: job %s: %s", self.name, d.job_id, error)
+            self._dead_letter(d, attempt, error)
+            os._exit(EXIT_STUCK)
 
         def watch() -> None:
             period = max(0.2, self.cfg.claim_timeout_s / 3)
-            while not stop.wait(period):
+            next_beat = time.monotonic() + period
+            while not stop.wait(max(0.05, min(next_beat, deadline) - time.monotonic())):
+                now = time.monotonic()
+                if now >= deadline:
+                    timed_out.set()
+                    loop.call_soon_threadsafe(task.cancel)
+                    if not stop.wait(CANCEL_GRACE_S):
+                        stuck()
+                    return
+                if now < next_beat:
+                    continue
+                next_beat = now + period
                 try:
                     if not self.broker.heartbeat(self.name, d.entry_id):
                         log.warning("%s: entry %s was claimed by another worker", self.name, d.entry_id)
@@ -207,7 +257,12 @@ class Worker:
         t = threading.Thread(target=watch, name="heartbeat", daemon=True)
         t.start()
         try:
-            return loop.run_until_complete(task)
+            try:
+                return loop.run_until_complete(task)
+            except asyncio.CancelledError:
+                if timed_out.is_set():
+                    raise JobTimeout(f"the attempt ran past jobs.job_timeout_s={limit:g}s and was cancelled") from None
+                raise
         finally:
             stop.set()
             t.join(timeout=5)

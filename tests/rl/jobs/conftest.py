@@ -60,18 +60,25 @@ def tiny_ckpt(tmp_path_factory):
     return build_random_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
+POLICY_KEY = "policy-key-of-the-tests"
+
+
 @pytest.fixture(scope="session")
 def policy_url(tiny_ckpt, tmp_path_factory):
-    """One policy server (a real vLLM engine over the tiny HybridMoe) for every test of the session."""
+    """One policy server (a real vLLM engine over the tiny HybridMoe) for every test of the session. Its key
+    is POLICY_KEY, also put in this process's $JOINTRL_POLICY_API_KEY, which the jobs servers and workers the
+    tests start inherit (a jobs server given --policy-url reads the policy's key from there)."""
+    from rl.jobs.guard import POLICY_KEY_ENV
     from rl.jobs.policy import wait_healthy
 
     port = free_port()
     log = open(tmp_path_factory.mktemp("policy") / "policy.log", "wb")
+    os.environ[POLICY_KEY_ENV] = POLICY_KEY
     proc = subprocess.Popen([sys.executable, "-m", "rl.jobs.policy", str(tiny_ckpt), "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, timeout_s=300, proc=proc)
+        wait_healthy(url, timeout_s=600, proc=proc, api_key=POLICY_KEY)
     except RuntimeError:
         proc.kill()
         raise

@@ -76,21 +76,30 @@ def test_repair_reenqueues_jobs_whose_entries_are_gone(broker, tmp_path):
     assert got == {a, b}
 
 
-def test_poison_job_is_dead_lettered_after_max_attempts(broker, tmp_path):
+def test_a_job_past_the_split_fails_at_once_and_a_failing_one_is_dead_lettered_after_max_attempts(broker, tmp_path):
+    """A task index past the split cannot succeed: failed and dead-lettered on its first attempt. A job whose
+    attempts fail for other reasons (here: the policy server is unreachable) is retried until max_attempts."""
     from rl.jobs.worker import EpisodeRunner, Worker
 
     cfg = JobsConfig(redis_url=broker.url, db_url=f"sqlite:///{tmp_path}/j.sqlite", stream=broker.stream, max_attempts=3)
     st = open_store(cfg.db_url)
-    jid = st.create_job(JobSpec(env="terminal-basics-v0", split="heldout", index=10**6))  # no such task: every attempt raises
-    st.set_entry(jid, broker.enqueue(jid))
-    # the policy is never reached: the task lookup fails before the first generation
+    bad = st.create_job(JobSpec(env="terminal-basics-v0", split="heldout", index=10**6))
+    st.set_entry(bad, broker.enqueue(bad))
     w = Worker("w1", cfg, st, broker, EpisodeRunner(cfg, "http://127.0.0.1:9"))
-    w.serve(max_jobs=3)
-    v = st.get(jid)
-    assert (v.status, v.attempts) == ("failed", 3)
-    assert "IndexError" in v.error and "out of range" in v.error
+    w.serve(max_jobs=1)
+    v = st.get(bad)
+    assert (v.status, v.attempts) == ("failed", 1)
+    assert "TaskIndexError" in v.error and "out of range" in v.error
     (dl,) = broker.dead_letters()
-    assert dl["job_id"] == jid and dl["attempts"] == "3" and "IndexError" in dl["error"]
-    kinds = [e.kind for e in st.events(jid)]
+    assert dl["job_id"] == bad and dl["attempts"] == "1" and "TaskIndexError" in dl["error"]
+    assert [e.kind for e in st.events(bad)] == ["queued", "started", "dead_letter", "failed"]
+
+    flaky = st.create_job(JobSpec(env="terminal-basics-v0", split="heldout", index=0))
+    st.set_entry(flaky, broker.enqueue(flaky))
+    w.serve(max_jobs=3)  # nothing answers on port 9: every attempt's first generation fails
+    v = st.get(flaky)
+    assert (v.status, v.attempts) == ("failed", 3), v.error
+    kinds = [e.kind for e in st.events(flaky)]
     assert kinds.count("started") == 3 and kinds.count("retry") == 2 and kinds[-2:] == ["dead_letter", "failed"]
+    assert [d["job_id"] for d in broker.dead_letters()] == [bad, flaky]
     assert broker.depth() == (0, 0)

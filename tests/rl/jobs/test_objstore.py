@@ -89,7 +89,9 @@ def test_engine_from_s3_pull_scores_like_one_from_local_disk(tiny_ckpt, tmp_path
     pulled = resolve_model(url)
     assert len(list(pulled.glob("*.safetensors"))) == 8
     seqs = [[1, 20, 30, 40, 50, 60, 70, 80], [1, 300, 200, 100, 7, 9]]
-    local = httpx.post(f"{policy_url}/score", json=seqs, timeout=120).json()
+    from rl.jobs.policy import policy_headers
+
+    local = httpx.post(f"{policy_url}/score", json=seqs, timeout=120, headers=policy_headers()).json()
     eng = RolloutEngine(EngineConfig(model_path=str(pulled), max_model_len=2048, dtype="auto", kv_cache_gib=0.25))
     try:
         remote = [x.tolist() for x in eng.score(seqs)]

@@ -70,9 +70,11 @@ def test_migrations_upgrade_an_old_database_and_refuse_a_newer_one(tmp_path):
     conn.commit()
     conn.close()
     st = SqliteStore(path)
-    assert st.migrated_from == 1 and SCHEMA_VERSION == 2
-    assert st.get("a").status == "queued"
+    assert st.migrated_from == 1 and SCHEMA_VERSION == 3
+    assert st.get("a").status == "queued" and st.get("a").owner is None  # the column migration 3 added
     assert st.episodes() == []  # the table migration 2 added
+    b = st.create_job(JobSpec(env="x-v0"), owner="k1")
+    assert st.get(b).owner == "k1" and "owner" not in st.get(b).to_json()  # the owner is never sent to clients
     st.close()
     conn = sqlite3.connect(path)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
