@@ -359,7 +359,7 @@ def polynomial_gate(answer: str, entry: Mapping[str, Any]) -> None:
 # (game_of_life: an all-dead grid earned 0.96 on held-out), per-cell credit against a fixed sudoku
 # (mini_sudoku: 0.30), credit for closeness to a duration (time_intervals: 0.42 for one fixed duration).
 # For these only a full score counts; anything less is 0.
-ALL_OR_NOTHING = frozenset({"game_of_life", "mini_sudoku", "time_intervals"})
+ALL_OR_NOTHING = frozenset({"game_of_life", "mini_sudoku", "time_intervals", "polynomial_equations"})
 
 OwnScorer = Callable[[str, Mapping[str, Any]], float]
 Gate = Callable[[str, Mapping[str, Any]], None]
