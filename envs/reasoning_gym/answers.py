@@ -357,9 +357,12 @@ def polynomial_gate(answer: str, entry: Mapping[str, Any]) -> None:
 
 # Scorers whose partial credit a constant collects: per-cell credit on grids that are mostly one value
 # (game_of_life: an all-dead grid earned 0.96 on held-out), per-cell credit against a fixed sudoku
-# (mini_sudoku: 0.30), credit for closeness to a duration (time_intervals: 0.42 for one fixed duration).
+# (mini_sudoku: 0.30), credit for closeness to a duration (time_intervals: 0.42 for one fixed duration),
+# credit for roots near the true ones (polynomial_equations: 0.40 for "0"), 0.25 for any tautology or bare
+# atom, which follows from every set of premises (propositional_logic: "entry['answer']" parses as an atom).
 # For these only a full score counts; anything less is 0.
-ALL_OR_NOTHING = frozenset({"game_of_life", "mini_sudoku", "time_intervals", "polynomial_equations"})
+ALL_OR_NOTHING = frozenset({"game_of_life", "mini_sudoku", "time_intervals", "polynomial_equations",
+                            "propositional_logic"})
 
 OwnScorer = Callable[[str, Mapping[str, Any]], float]
 Gate = Callable[[str, Mapping[str, Any]], None]

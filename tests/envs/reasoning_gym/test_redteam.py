@@ -66,8 +66,9 @@ def targeted(task) -> list[str]:
         out += [f"Integral({f}, {x}) + C", f"integrate({f}, {x})", f"Integral({f}, {x}).doit() + C"]
     if "polynomial_expr" in meta:
         out += [f"expand({meta['polynomial_expr']})", f"({meta['polynomial_expr']}).expand()"]
-    if "numbers" in meta:
-        nums = json.loads(meta["numbers"]) if isinstance(meta["numbers"], str) else meta["numbers"]
+    nums = meta.get("numbers")
+    nums = json.loads(nums) if isinstance(nums, str) and nums.startswith("[") else nums
+    if isinstance(nums, list) and all(isinstance(n, int) for n in nums):
         target = int(meta.get("target", 24))
         zeroed = " + ".join(f"{n}*len('')" for n in nums)  # each number once, times a zero written without digits
         out += [f"{zeroed} + len('{'a' * target}')", "6*4*1*1", "3*8/(1*1)"]
