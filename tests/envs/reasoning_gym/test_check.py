@@ -22,5 +22,6 @@ def test_the_sample_covers_every_family():
 
 @pytest.mark.parametrize("info", SAMPLE, ids=[d.name for d in SAMPLE])
 def test_envs_check_passes(info):
-    report = check_env(info.env_id, n_tasks=2, n_generate=12)
+    # The best-constant check is left to test_redteam.py (35 candidates x the held-out tasks per domain).
+    report = check_env(info.env_id, n_tasks=2, n_generate=12, n_constant=0)
     assert report.passed, report.render()
