@@ -226,18 +226,26 @@ def check_file(lib: Library, path: str, old: bytes, new: bytes,
     """Rejections for one changed file; SyntaxError when the new version does not parse."""
     own = _own_packages(lib)
     vocab = _vocabulary(lib, {path: old}) if vocab is None else vocab
-    before = _analyse(path, old, own, None, vocab)
-    # The new version may import what the starting one did, not what it imports itself, and may
-    # not newly call the starting file's helpers that look names up from strings.
-    after = _analyse(path, new, own, before.importable, vocab, before.gadgets)
+    before = _analyse(path, old, own)
+    after = _analyse(path, new, own, full=False)
     out: list[Rejection] = []
     if before.skeleton != after.skeleton:
         out.append(Rejection(path, "module_level", _first_difference(ast.parse(old), ast.parse(new), own),
                              "module-level (import-time) code changed: only the bodies of existing functions "
                              "(and constant default values) may change"))
-    for key, found in after.units.items():
+    for key in _changed(before, after):
+        # The new version may import what the starting one did, not what it imports itself, and
+        # may not newly call the starting file's helpers that look names up from strings.
+        def refs(a: _Analysis) -> Counter:
+            if key not in a.units:
+                return Counter()
+            unit = a.units[key][1]
+            # module-level imports are the starting file's (or the skeleton differs); the unit's own on top
+            imports = {**before.imports, **_import_table(unit)}
+            return Counter(_violations(unit, imports, own, before.importable, vocab, before.gadgets))
+        found = refs(after)
         # By what, not where: an edit above a function moves its lines, not its references.
-        extra = Counter(w for w, _ in found.elements()) - Counter(w for w, _ in before.units.get(key, Counter()).elements())
+        extra = Counter(w for w, _ in found.elements()) - Counter(w for w, _ in refs(before).elements())
         lines = {w: ln for w, ln in sorted(found, key=lambda x: -x[1])}
         for what in sorted(extra)[:5]:
             out.append(Rejection(path, "forbidden", lines[what], f"{what} in {key[0]}"))
@@ -247,27 +255,32 @@ def check_file(lib: Library, path: str, old: bytes, new: bytes,
 @dataclass(frozen=True)
 class _Analysis:
     skeleton: str  # the import-time code, as an AST dump without positions
-    units: Mapping[tuple[str, int], Counter]  # per function: (what, line) -> count of forbidden references
-    importable: frozenset[str]  # top-level modules code in this file may import
+    imports: Mapping[str, str]  # local name -> dotted origin (_import_table)
+    importable: frozenset[str]  # top-level modules code in this file may import (for a starting file)
     gadgets: frozenset[str]  # module-level functions that look names up from strings (import_module, getattr ...)
+    units: Mapping[tuple[str, int], tuple[str, ast.AST]]  # function -> (its text from the `def` line, its node)
 
 
-@functools.lru_cache(maxsize=32)  # the starting file is the same for every episode of an instance
-def _analyse(path: str, data: bytes, own: frozenset[str], importable: frozenset[str] | None,
-             vocab: frozenset[str] = frozenset(), gadgets: frozenset[str] | None = None) -> _Analysis:
-    """`importable` None: this is a starting file, and what it imports (an optional dependency such
-    as tabulate's `wcwidth`, but no machinery) may be imported again by new code. `vocab`: the
-    attribute names new code may use; `gadgets`: the starting file's helpers new code may not call."""
-    skeleton = _skeleton(ast.parse(data, filename=path), own)
+@functools.lru_cache(maxsize=8)  # the starting file is the same for every episode of an instance
+def _analyse(path: str, data: bytes, own: frozenset[str], full: bool = True) -> _Analysis:
+    """What import-time code a file has and its functions; with `full`, also what it imports and
+    its string-lookup helpers (a starting file: what it imports, an optional dependency such as
+    tabulate's `wcwidth` but no machinery, new code may import again). SyntaxError / ValueError
+    when Python cannot compile it."""
     tree = ast.parse(data, filename=path)
-    imports = _import_table(tree)
-    if importable is None:
-        importable = own | frozenset(o.split(".")[0] for o in imports.values()
-                                     if o.split(".")[0] not in MACHINERY_MODULES)
-    mine = _gadgets(tree)
-    units = {key: Counter(_violations(node, imports, own, importable, vocab, mine if gadgets is None else gadgets))
-             for key, node in _units(tree)}
-    return _Analysis(skeleton, units, importable, mine)
+    skeleton = _skeleton(tree)
+    imports = _import_table(tree) if full else {}
+    importable = own | frozenset(o.split(".")[0] for o in imports.values() if o.split(".")[0] not in MACHINERY_MODULES)
+    # Text only to tell which functions changed (a function with the same text is not taken from
+    # the agent); undecodable bytes compare as replacement characters and fail the splice.
+    lines = data.decode("utf-8", "replace").splitlines(keepends=True)
+    units = {key: ("".join(lines[n.lineno - 1:n.end_lineno]), n) for key, n in _unit_nodes(tree)}  # type: ignore[attr-defined]
+    return _Analysis(skeleton, imports, importable, _gadgets(tree) if full else frozenset(), units)
+
+
+def _changed(before: _Analysis, after: _Analysis) -> list[tuple[str, int]]:
+    """The agent's functions whose text differs from the starting version (or that are new)."""
+    return [k for k, (text, _) in after.units.items() if k not in before.units or before.units[k][0] != text]
 
 
 def _gadgets(tree: ast.Module) -> frozenset[str]:
@@ -313,16 +326,13 @@ def _standard_vocabulary() -> frozenset[str]:
     return frozenset(n for n in names if not _banned_attr(n))
 
 
-@functools.lru_cache(maxsize=16)
-def _library_vocabulary(files: tuple[tuple[str, bytes], ...]) -> frozenset[str]:
-    names: set[str] = set()
-    for path, data in files:
-        try:
-            tree = ast.parse(data, filename=path)
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            continue
-        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    return frozenset(names)
+@functools.lru_cache(maxsize=64)
+def _file_vocabulary(path: str, data: bytes) -> frozenset[str]:
+    try:
+        tree = ast.parse(data, filename=path)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return frozenset()
+    return frozenset(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute))
 
 
 @functools.lru_cache(maxsize=8)
@@ -336,14 +346,16 @@ def _release_vocabulary(lib: Library) -> frozenset[str]:
         files = L.source_files(lib)
     except Exception:  # noqa: BLE001 - not downloaded: the starting files alone
         return frozenset()
-    return _library_vocabulary(tuple(sorted((p, b) for p, b in files.items() if lib.is_library_path(p))))
+    return frozenset().union(*(_file_vocabulary(p, b) for p, b in files.items() if lib.is_library_path(p)))
 
 
 def _vocabulary(lib: Library, start: Mapping[str, bytes]) -> frozenset[str]:
     """The attribute names new code may use: those the library's own code uses (the pinned
-    release, and the starting files) and the standard vocabulary."""
-    files = tuple(sorted((p, b) for p, b in start.items() if lib.is_library_path(p)))
-    return _library_vocabulary(files) | _release_vocabulary(lib) | _standard_vocabulary()
+    release; the starting files where no release is cached) and the standard vocabulary. (A
+    starting file is the release with one bug injected, which only ever removes names.)"""
+    own = _release_vocabulary(lib) or frozenset().union(
+        *(_file_vocabulary(p, b) for p, b in start.items() if lib.is_library_path(p)))
+    return own | _standard_vocabulary()
 
 
 def _own_packages(lib: Library) -> frozenset[str]:
@@ -365,10 +377,14 @@ class _Strip(ast.NodeTransformer):
     """Import-time code only: the bodies of functions that are not nested in functions emptied
     and their constant defaults replaced by a placeholder; docstrings and `pass` dropped from
     module and class bodies. Everything else (new functions, imports, lambdas, decorators,
-    annotations) stays, so that any change to it shows."""
+    annotations) stays, so that any change to it shows. Every change is logged in `undo`."""
 
-    def __init__(self, own: frozenset[str]) -> None:
-        self.own = own
+    def __init__(self) -> None:
+        self.undo: list[tuple[ast.AST, str, object]] = []
+
+    def _set(self, node: ast.AST, field_name: str, value: object) -> None:
+        self.undo.append((node, field_name, getattr(node, field_name)))
+        setattr(node, field_name, value)
 
     def _body(self, body: list[ast.stmt]) -> list[ast.stmt]:
         kept = []
@@ -381,27 +397,31 @@ class _Strip(ast.NodeTransformer):
         return kept
 
     def visit_Module(self, node: ast.Module) -> ast.AST:
-        node.body = self._body(node.body)
+        self._set(node, "body", self._body(node.body))
         return node
 
     def visit_ClassDef(self, node: ast.ClassDef) -> ast.AST:
-        self.generic_visit(node)
-        node.body = self._body(node.body)
+        self._set(node, "body", self._body(node.body))  # bases, keywords, decorators hold no functions to strip
         return node
 
     def visit_FunctionDef(self, node: ast.AST) -> ast.AST:
-        node.body = []  # type: ignore[attr-defined]
+        self._set(node, "body", [])
         a = node.args  # type: ignore[attr-defined]
-        a.defaults = [ast.Constant("<constant>") if _is_constant(d) else d for d in a.defaults]
-        a.kw_defaults = [ast.Constant("<constant>") if _is_constant(d) else d for d in a.kw_defaults]
+        self._set(a, "defaults", [ast.Constant("<constant>") if _is_constant(d) else d for d in a.defaults])
+        self._set(a, "kw_defaults", [ast.Constant("<constant>") if _is_constant(d) else d for d in a.kw_defaults])
         return node
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
 
-def _skeleton(tree: ast.Module, own: frozenset[str]) -> str:
-    """Consumes `tree` (the transform edits it in place)."""
-    return ast.dump(_Strip(own).visit(tree), include_attributes=False)
+def _skeleton(tree: ast.Module, own: frozenset[str] = frozenset()) -> str:
+    """The dump of `tree`'s import-time code; `tree` is left as it was."""
+    strip = _Strip()
+    try:
+        return ast.dump(strip.visit(tree), include_attributes=False)
+    finally:
+        for node, field_name, value in reversed(strip.undo):
+            setattr(node, field_name, value)
 
 
 def _first_difference(old: ast.Module, new: ast.Module, own: frozenset[str]) -> int:
@@ -453,19 +473,18 @@ def _dump(node: ast.AST) -> str:
 
 
 def splice(path: str, old: bytes, new: bytes) -> bytes:
-    """The file that runs for an accepted edit: `old`'s text with each function of `new` that
+    """The file that runs for an accepted edit: `old`'s text with each function of `new` whose text
     differs from its starting version put in place of that version (from its `def` line to its
     end; decorators stay `old`'s), re-indented to the starting column. Raises ValueError unless
-    the result parses to exactly `old`'s import-time code and `new`'s functions."""
-    old_text, new_text = old.decode("utf-8"), new.decode("utf-8")
-    o_units = dict(_unit_nodes(ast.parse(old_text, filename=path)))
-    n_units = dict(_unit_nodes(ast.parse(new_text, filename=path)))
-    if o_units.keys() != n_units.keys():
+    the result parses to exactly `old`'s import-time code, `new`'s changed functions and `old`'s
+    other functions."""
+    before, after = _analyse(path, old, frozenset(), full=False), _analyse(path, new, frozenset(), full=False)
+    if before.units.keys() != after.units.keys():
         raise ValueError("the functions differ from the starting file's")
-    lines, n_lines = old_text.splitlines(keepends=True), new_text.splitlines(keepends=True)
-    changed = [k for k in o_units if _dump(o_units[k]) != _dump(n_units[k])]
-    for k in sorted(changed, key=lambda k: -o_units[k].lineno):  # bottom up: earlier line numbers stay valid
-        o, n = o_units[k], n_units[k]
+    lines, n_lines = old.decode("utf-8").splitlines(keepends=True), new.decode("utf-8").splitlines(keepends=True)
+    changed = _changed(before, after)
+    for k in sorted(changed, key=lambda k: -before.units[k][1].lineno):  # bottom up: earlier lines stay put
+        o, n = before.units[k][1], after.units[k][1]
         block = n_lines[n.lineno - 1:n.end_lineno]  # type: ignore[attr-defined]
         pre_o, pre_n = lines[o.lineno - 1][:o.col_offset], block[0][:n.col_offset]  # type: ignore[attr-defined]
         if pre_o != pre_n:
@@ -473,51 +492,17 @@ def splice(path: str, old: bytes, new: bytes) -> bytes:
         if not block[-1].endswith(("\n", "\r")):
             block[-1] += "\n"
         lines[o.lineno - 1:o.end_lineno] = block  # type: ignore[attr-defined]
-    out = "".join(lines)
-    tree = ast.parse(out, filename=path)
-    got = dict(_unit_nodes(tree))
-    if got.keys() != n_units.keys() or any(_dump(got[k]) != _dump(n_units[k]) for k in got):
-        raise ValueError("a function did not survive the splice unchanged")
-    if _skeleton(tree, frozenset()) != _skeleton(ast.parse(old_text, filename=path), frozenset()):
+    out = "".join(lines).encode("utf-8")
+    got = _analyse(path, out, frozenset(), full=False)
+    if got.skeleton != before.skeleton or got.units.keys() != before.units.keys():
         raise ValueError("the import-time code did not survive the splice unchanged")
-    return out.encode("utf-8")
+    for k, (text, node) in got.units.items():
+        if (k in changed and _dump(node) != _dump(after.units[k][1])) or (k not in changed and text != before.units[k][0]):
+            raise ValueError(f"{k[0]} did not survive the splice unchanged")
+    return out
 
 
-def _units(tree: ast.Module) -> Iterator[tuple[tuple[str, int], ast.AST]]:
-    """Every function that is not nested in another one (with what nests in it), keyed by
-    (qualname, occurrence); then the rest of the module, where functions are left out, as one unit
-    (its import-time code is pinned by the skeleton)."""
-    seen: Counter[str] = Counter()
-    found: list[tuple[tuple[str, int], ast.AST]] = []
-
-    class Find(ast.NodeVisitor):
-        prefix = ""
-
-        def visit_FunctionDef(self, node: ast.AST) -> None:
-            q = self.prefix + node.name  # type: ignore[attr-defined]
-            seen[q] += 1
-            found.append(((q, seen[q]), node))
-
-        visit_AsyncFunctionDef = visit_FunctionDef
-
-        def visit_ClassDef(self, node: ast.ClassDef) -> None:
-            outer = self.prefix
-            self.prefix = outer + node.name + "."
-            self.generic_visit(node)
-            self.prefix = outer
-
-    class Drop(ast.NodeTransformer):
-        def visit_FunctionDef(self, node: ast.AST) -> ast.AST:
-            return ast.Pass()
-
-        visit_AsyncFunctionDef = visit_FunctionDef
-
-    Find().visit(tree)
-    yield from found
-    yield ("<module level>", 1), Drop().visit(tree)  # last: this edits `tree` in place
-
-
-def _import_table(tree: ast.Module) -> dict[str, str]:
+def _import_table(tree: ast.AST) -> dict[str, str]:
     """Local name -> dotted origin for every import in the file (module level or not)."""
     table: dict[str, str] = {}
     for n in ast.walk(tree):

@@ -152,8 +152,9 @@ def test_the_file_that_runs_is_the_splice_not_the_agents_file():
     # a class the agent re-indented: the changed method goes back in at the starting column
     old = "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        return 2\n"
     new = "class A:\n  def f(self):\n    return 3\n\n  def g(self):\n    return 2\n"
-    # (the body keeps its indentation relative to the `def`)
-    assert E.splice("a.py", old.encode(), new.encode()).decode() == old.replace("        return 1", "      return 3")
+    # (a function whose text differs is taken, `g` too; a body keeps its indentation relative to its `def`)
+    assert E.splice("a.py", old.encode(), new.encode()).decode() == old.replace(
+        "        return 1", "      return 3").replace("        return 2", "      return 2")
     # a one-line function, and a body holding a string whose lines sit left of the body
     old = "def f(x): return x\n\n\ndef g():\n    return 1\n"
     new = "def f(x): return x + 1\n\n\ndef g():\n    return '''a\nb'''\n"
