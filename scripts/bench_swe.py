@@ -6,12 +6,14 @@
    build measures against the 10 s budget), the wall time of the same suite in a fresh pristine
    bubblewrap sandbox (what grading costs), their ratio, and whether the runner of `--before`
    (one process, in-process recorder) gives the same outcomes as the current one (judge + worker).
-2. Per small-set instance, with its reference fix: grading time the `--before` way (that
-   revision's `envs/swe/runner.py`, read with `git show`: one pytest process writing its own
-   result, whole `/usr` and interpreter root mounted, no edit validation, no canaries) and the
-   current way (`grader.grade`: edit validation, canaries, judge + worker, allowlisted mounts),
-   interleaved, median of `--repeats`. Both must resolve. `--before` must name a revision from
-   before the judge/worker runner (the script says so when it does not).
+2. Per small-set instance, with its reference fix: grading time the `--before` way and the
+   current way (`grader.grade`: edit validation and splice, canaries, judge + worker, allowlisted
+   mounts), interleaved, median of `--repeats`. Both must resolve. The `--before` way is that
+   revision's code, read with `git show`: for a revision from before the judge/worker runner,
+   its `envs/swe/runner.py` (one pytest process writing its own result, whole `/usr` and
+   interpreter root mounted, no edit validation, no canaries); for a later one, its
+   `runner.py`, `editcheck.py` and `grader.py` (its validation, canaries and judge + worker, with
+   its own driver and worker in the runtime).
 3. For one small-set task: `reset` (sandbox + repository + git commit) and a whole reference
    episode including grading.
 Needs the sdists and the small set in the cache (builds them otherwise) and root for the sandbox.
@@ -51,39 +53,56 @@ from envs.swe.runner import run_suite_local  # noqa: E402
 from envs.swe.tasks import task_of  # noqa: E402
 
 
-def load_before(rev: str) -> ModuleType:
-    """`envs/swe/runner.py` as it was at `rev`, imported under another name."""
-    src = subprocess.run(["git", "show", f"{rev}:envs/swe/runner.py"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
+def _load(rev: str, rel: str, name: str, rewrite: dict[str, str]) -> ModuleType:
+    src = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for old, new in rewrite.items():
+        src = src.replace(old, new)
     d = Path(tempfile.mkdtemp(prefix="bench-swe-"))
-    (d / "runner_before.py").write_text(src)
-    spec = importlib.util.spec_from_file_location("runner_before", d / "runner_before.py")
+    (d / f"{name}.py").write_text(src)
+    spec = importlib.util.spec_from_file_location(name, d / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["runner_before"] = mod  # dataclasses look their module up while the class is built
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
+    return mod
+
+
+def load_before(rev: str) -> ModuleType:
+    """`envs/swe/runner.py` as it was at `rev`, imported under another name; for a revision with
+    the judge/worker runner, its `editcheck` and `grader` too (as `.editcheck`, `.grader`)."""
+    mod = _load(rev, "envs/swe/runner.py", "runner_before", {})
     if not hasattr(mod, "DRIVER_SOURCE"):
-        raise SystemExit(f"{rev}:envs/swe/runner.py already has the judge/worker runner; pass --before <older rev>")
+        mod.editcheck = _load(rev, "envs/swe/editcheck.py", "editcheck_before", {})
+        mod.grader = _load(rev, "envs/swe/grader.py", "grader_before", {
+            "from envs.swe import editcheck as E": "import editcheck_before as E",
+            "from envs.swe.runner import": "from runner_before import"})
     return mod
 
 
 def before_runtime(before: ModuleType) -> Path:
-    """The current runtime's pytest with the old single-process driver."""
+    """The current runtime's pytest with the driver (and worker) of `--before`."""
     cur = L.ensure_runtime()
-    h = hashlib.sha256(before.DRIVER_SOURCE.encode() + str(cur).encode()).hexdigest()[:12]
+    sources = {"driver.py": before.DRIVER_SOURCE} if hasattr(before, "DRIVER_SOURCE") else {
+        "driver.py": before.JUDGE_SOURCE, "worker.py": before.WORKER_SOURCE}
+    h = hashlib.sha256("".join(sources.values()).encode() + str(cur).encode()).hexdigest()[:12]
     dst = L.cache_root() / "bench-before-runtime" / h
     if not (dst / ".complete").exists():
         if dst.exists():
             shutil.rmtree(dst)
         shutil.copytree(cur, dst, ignore=shutil.ignore_patterns("driver.py", "worker.py", ".complete"))
-        (dst / "driver.py").write_text(before.DRIVER_SOURCE)
+        for name, text in sources.items():
+            (dst / name).write_text(text)
         for p in [dst, *dst.rglob("*")]:
             os.chmod(p, 0o755 if p.is_dir() or p.parent.name == "bin" else 0o644)
         (dst / ".complete").write_text("ok\n")
     return dst
 
 
-def grade_before(backend, before: ModuleType, runtime: Path, lib: L.Library, tree, f2p, p2p) -> bool:
-    """The grading path of `--before`: its driver, whole /usr and interpreter root, no validation or canaries."""
+def grade_before(backend, before: ModuleType, runtime: Path, lib: L.Library, tree, f2p, p2p, start=None,
+                 lib_files=None) -> bool:
+    """The grading path of `--before`."""
+    if not hasattr(before, "DRIVER_SOURCE"):
+        return grade_before_judge(backend, before, runtime, lib, dict(tree), f2p, p2p, start, lib_files)
+    # before the judge: its driver, whole /usr and interpreter root, no validation or canaries
     base = Path(sys.base_prefix).resolve()
     mounts = [Mount(host=runtime, inside=G.RUNTIME_INSIDE)]
     if not str(base).startswith("/usr/"):
@@ -101,11 +120,35 @@ def grade_before(backend, before: ModuleType, runtime: Path, lib: L.Library, tre
     return not res.not_passed(f2p) and not res.not_passed(p2p)
 
 
-def grade_now(backend, lib: L.Library, task) -> bool:
-    start = I.agent_repo(task)
+def grade_before_judge(backend, before: ModuleType, runtime: Path, lib: L.Library, tree, f2p, p2p, start,
+                       lib_files) -> bool:
+    """A judge/worker-era revision's `grade`, with its own driver and worker mounted as the runtime."""
+    from envs.swe import mounts as M
+
+    Gb, Eb = before.grader, before.editcheck
+    path = [p for p in lib_files if lib_files[p] != start.get(p)]
+    edits = Gb.AgentEdits(lib_files, tuple(path), ())
+    check = Eb.check_edits(lib, start, edits.library_files)
+    assert check.ok, check
+    canaries = Gb.add_canaries(tree, f2p)
+    mounts = tuple(Mount(host=runtime, inside=m.inside) if m.inside == G.RUNTIME_INSIDE else m for m in M.test_mounts())
+    out = f".swe-result-{secrets.token_hex(8)}.json"
+    sb = backend.open_pristine(agent=None, files=dict(tree), limits=G.GRADE_LIMITS, mounts=mounts, **M._usr(backend))
+    try:
+        key = before.new_key()
+        argv = before.driver_argv(lib, python=str(L.interpreter()), runtime=G.RUNTIME_INSIDE, repo=sb.workdir_inside,
+                                  out=f"{sb.workdir_inside}/{out}")
+        r = sb.run(argv, timeout_s=G.GRADE_TIMEOUT_S, env=before.TEST_ENV, cwd=sb.workdir_inside,
+                   stdin=before.key_line(key))
+        res = before.SuiteResult.read(sb.read_artifact(out, max_bytes=32 << 20), key, exit_code=r.exit_code,
+                                      duration_s=r.duration_s)
+    finally:
+        sb.close()
+    return Gb.verdict(res, f2p, p2p, edits, canaries).resolved
+
+
+def grade_now(backend, lib: L.Library, task, start, lib_files) -> bool:
     path = task.private["mutation"]["path"]
-    lib_files = {p: b for p, b in start.items() if lib.is_library_path(p)}
-    lib_files[path] = I.pristine(lib.name)[path]
     edits = G.AgentEdits(lib_files, (path,), ())
     v = G.grade(backend, lib, start, edits, I.grading_tree(task, lib_files), task.private["fail_to_pass"],
                 task.private["pass_to_pass"])
@@ -192,13 +235,15 @@ def main() -> int:
         lib_files = {p: b for p, b in I.agent_repo(task).items() if lib.is_library_path(p)}
         lib_files[inst.mutation.path] = I.pristine(lib.name)[inst.mutation.path]
         tree = I.grading_tree(task, lib_files)
+        start = I.agent_repo(task)
         tb, tn = [], []
         for _ in range(a.repeats):
             t0 = time.monotonic()
-            assert grade_before(backend, before, old_rt, lib, tree, inst.fail_to_pass, inst.pass_to_pass), inst.instance_id
+            assert grade_before(backend, before, old_rt, lib, tree, inst.fail_to_pass, inst.pass_to_pass, start,
+                                lib_files), inst.instance_id
             tb.append(time.monotonic() - t0)
             t0 = time.monotonic()
-            assert grade_now(backend, lib, task), inst.instance_id
+            assert grade_now(backend, lib, task, start, lib_files), inst.instance_id
             tn.append(time.monotonic() - t0)
         ratios.append(med(tn) / med(tb))
         print(f"{inst.instance_id[:57]:<58}{med(tb):>10.2f}{med(tn):>10.2f}{ratios[-1]:>14.2f}")
