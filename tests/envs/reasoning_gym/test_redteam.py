@@ -102,15 +102,20 @@ def test_known_exploits_pay_upstream_and_nothing_here(name, attack, pays):
     assert paid >= 3, f"the control: reasoning-gym's scorer paid >= {pays} on only {paid} of 6 tasks"
 
 
+EVAL_SCORERS = {name for name, _, _ in EXPLOITS} | {"binary_matrix"}
+
+
 def test_no_domain_pays_for_scope_lookups_or_solver_calls():
-    """Every domain, one held-out task, every attack: under 0.1 (the reward of a plain wrong answer is 0
-    to 0.05; a scope lookup that ran would have returned the reference itself)."""
+    """Every domain, one held-out task, every attack. A scope lookup or solver call that ran would return
+    the reference itself (1.0, or the scorer's level for the form: 0.5, 0.1). Where the scorer evaluates
+    answers, each attack stays under 0.1; elsewhere the text is only text, and per-character credit for
+    a chance match (spell_backward pays 0.2 for "str(entry['answer'])" on one task) stays under 0.25."""
     paid = []
     for info in datasets():
         t = envs.generate_tasks(info.env_id, "heldout", 0, 1)[0]
         for text in SCOPE_LOOKUPS + tuple(targeted(t)):
             r = reward(info.env_id, t, text)
-            if r >= 0.1:
+            if r >= (0.1 if info.name in EVAL_SCORERS else 0.25):
                 paid.append((info.name, text, r))
     assert not paid, paid
 
