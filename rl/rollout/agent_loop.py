@@ -35,28 +35,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import time
 import traceback
-
-import numpy as np
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from jointrl.records import Message, Task
 from model import chat
 from rl.log import get_logger
 from rl.rollout.codec import ChatCodec, as_codec
+from rl.rollout.batching import BatchingGenerator, GenerateBatch, ThreadedGenerate  # noqa: F401 - re-exported
 from rl.rollout.context import CONTEXT_STRATEGIES, CompactionView, ContextSettings, Reply, split_turns
-from rl.rollout.engine import GenerateRequest, GenerateResult
+from rl.rollout.engine import GenerateRequest
 from rl.rollout.multimodal import EpisodeImages, ImageSettings
+from rl.rollout.seeds import derive_seed, episode_seed, rollout_seed, turn_seed  # noqa: F401 - re-exported
 from rl.rollout.segments import SegmentBuilder, StepBudget
 from rl.types import Episode, Segment
 
 log = get_logger("agent_loop")
-
-
-GenerateBatch = Callable[[list[GenerateRequest]], Awaitable[list[GenerateResult]]]
 
 
 class Tokenizer(Protocol):
@@ -89,150 +85,6 @@ class LoopSettings:
     # What an episode keeps in context once its history outgrows a budget (rl/rollout/context.py); the default,
     # `full`, ends the episode as truncated when the next turn does not fit max_model_len.
     context: ContextSettings = field(default_factory=ContextSettings)
-
-
-class BatchingGenerator:
-    """Collects concurrent GenerateRequests and sends them to the engine in batches.
-
-    A batch is flushed as soon as every live episode is waiting on generation, or after
-    `max_wait_s` since the first queued request, whichever comes first.
-    """
-
-    def __init__(self, generate_batch: GenerateBatch, max_wait_s: float = 0.02, max_batch: int = 256) -> None:
-        self._gen = generate_batch
-        self._max_wait = max_wait_s
-        self._max_batch = max_batch
-        self._queue: list[tuple[GenerateRequest, asyncio.Future]] = []
-        self._live = 0
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self.batches = 0
-        self.requests = 0
-
-    def episode_started(self) -> None:
-        self._live += 1
-
-    def episode_finished(self) -> None:
-        self._live -= 1
-        self._poke()
-
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = loop.create_task(self._run())
-        fut: asyncio.Future = loop.create_future()
-        self._queue.append((req, fut))
-        self._poke()
-        return await fut
-
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._queue:
-                continue
-            t0 = time.monotonic()
-            while len(self._queue) < min(self._live, self._max_batch) and time.monotonic() - t0 < self._max_wait:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=self._max_wait)
-                except asyncio.TimeoutError:
-                    break
-                self._wake.clear()
-            batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
-            if self._queue:
-                self._wake.set()
-            asyncio.get_running_loop().create_task(self._flush(batch))
-
-    async def _flush(self, batch: list[tuple[GenerateRequest, asyncio.Future]]) -> None:
-        self.batches += 1
-        self.requests += len(batch)
-        try:
-            results = await self._gen([r for r, _ in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
-            for (_, fut), res in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(res)
-        except BaseException as e:  # noqa: BLE001 - every waiting episode must hear about it
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
-
-
-class ThreadedGenerate:
-    """Turns a blocking `generate(requests) -> results` (a RolloutDispatcher, a RolloutEngine) into a
-    `GenerateBatch`, on a thread pool of its own with one thread per episode that can be waiting.
-
-    Each call holds its thread until its whole batch is done, while the engine batches continuously
-    across calls. `asyncio.to_thread` would use the loop's default pool (cores + 4 threads): on 2 cores
-    that let only ~6 batches reach the engine at once, so a 64-episode evaluation ran ~8 requests per
-    engine step (docs/training.md, attempt 8). Use as an async context manager; the pool closes on exit.
-    """
-
-    def __init__(self, generate: Callable[[list[GenerateRequest]], list[GenerateResult]], max_threads: int) -> None:
-        import concurrent.futures
-
-        if max_threads < 1:
-            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
-        self._generate = generate
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="jointrl-generate")
-
-    async def __call__(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._generate, requests)
-
-    async def __aenter__(self) -> "ThreadedGenerate":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-_SEED_BITS = 63  # torch generators take any int64 >= 0; vLLM passes the seed to torch.Generator.manual_seed
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed determined by a tuple of integers (BLAKE2b of their decimal text).
-
-    Used instead of arithmetic like `seed * 1000 + turn`, which collides as soon as one part outgrows
-    its slot, and instead of Python's `hash`, which is salted per process for strings. Stable across
-    processes, machines and Python versions, so a resumed run recomputes the same seeds.
-    """
-    if not parts:
-        raise ValueError("derive_seed needs at least one integer")
-    for p in parts:
-        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
-            raise TypeError(f"derive_seed takes integers, got {type(p).__name__} {p!r}")
-    digest = hashlib.blake2b("/".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)
-
-
-def rollout_seed(run_seed: int, step: int) -> int:
-    """The base seed of one training step's rollouts: a function of the step, never of a counter.
-
-    A resumed run restores the step, so its step k uses the same seed as an uninterrupted run's step k.
-    (The policy version is not a substitute: it stays put on steps whose groups were all dropped, so
-    two steps would share seeds, and a repeated task would get a copy of its earlier episodes.)
-    """
-    if step < 0:
-        raise ValueError(f"rollout_seed: step must be >= 0, got {step}")
-    return derive_seed(run_seed, step)
-
-
-def episode_seed(rollout_seed_: int, task_index: int, sample_index: int) -> int:
-    """Seed of sample `sample_index` of the `task_index`-th task of a rollout (positions, not ids: a task
-    drawn twice in one step gets two independent groups)."""
-    return derive_seed(rollout_seed_, task_index, sample_index)
-
-
-def turn_seed(episode_seed_: int, turn: int) -> int:
-    """Seed of one generation request of an episode (turn 0, 1, ...)."""
-    return derive_seed(episode_seed_, turn)
 
 
 def _defuse(m: Message, specials: Sequence[str]) -> Message:
