@@ -10,7 +10,8 @@ Tools: `bash`, `view(path, line_range)`, `str_replace(path, old, new)`, `run_tes
 (visible tests only: the hidden ones are not in the sandbox) and `submit()`.
 
 Grading (grader.py): only the agent's edits to library files are applied to a clean tree with the
-original tests, once editcheck.py has accepted them, and the suite runs in a fresh pristine
+original tests, once editcheck.py has accepted them, and only as function bodies spliced into the
+starting files (no import-time code of the agent's runs); the suite runs in a fresh pristine
 sandbox. Both sandboxes see only the allowlisted host files of mounts.py. Reward: `resolved` (every
 FAIL_TO_PASS and PASS_TO_PASS test passes) minus 0.1 x the malformed-call fraction; the
 FAIL_TO_PASS fraction and PASS_TO_PASS breakage are metrics. Truncated or errored episodes score 0.

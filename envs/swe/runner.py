@@ -30,11 +30,16 @@ the key live in the judge), nor end the run early with a result of its choosing 
 dies, exits with a status its reports contradict, or stops mid-test yields no pass). What it does
 not buy: the worker runs the tests and the library in one interpreter, so code that reaches
 pytest's objects from inside could still make pytest *report* a pass. That is closed before the
-suite runs, by validating the agent's edit (editcheck.py: no module-level code, no references to
-the test machinery); refused while it runs, by the worker's audit hook (frames, heap walks,
-tracing, processes, raw fds from library code) and import guard (library code may not import
-pytest, pluggy or the worker by name); and detected afterwards by canary tests that must fail
-(grader.py). The worker reports every refusal; the judge passes them on as `denied`.
+suite runs, by validating the agent's edit and running only its function bodies spliced into the
+starting files (editcheck.py: no import-time code of the agent's, an allow-list on what new code
+references, no route from a string to code); refused while it runs, by the worker's audit hook
+(frames, heap walks, tracing, processes, raw fds from library code; annotation strings that are
+not type expressions; code strings and raw-fd opens that C code such as pickle runs for data;
+unpickling of process modules) and import guard (library functions may not import pytest,
+pluggy, the worker or the process modules by name); and detected afterwards by canary tests
+that must fail (grader.py). The worker reports every refusal; the judge passes them on as
+`denied`. Code that gets full control of the worker anyway is outside what these in-process
+refusals can stop: docs/swe.md says what would close that.
 """
 from __future__ import annotations
 
