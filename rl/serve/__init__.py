@@ -1,4 +1,4 @@
-"""`jointrl serve`: the OpenAI chat-completions and Anthropic Messages APIs over one in-process vLLM engine.
+"""`jointrl serve`: the OpenAI chat-completions and Responses APIs and Anthropic's Messages API over one in-process vLLM engine.
 
 Modules, by concern:
 - `settings`: `ServeSettings` and the CLI flags generated from it (light; the top-level CLI imports it).
@@ -8,7 +8,7 @@ Modules, by concern:
 - `engine`: `StreamingEngine`, the rollout engine plus incremental outputs and abort.
 - `service`: `ChatService` (streamed generation, tool_choice forcing, recording), admission, metrics.
 - `records`: the token-level JSONL records and the readers that rebuild RL sequences from them.
-- `openai`, `anthropic`: the two wire protocols.
+- `openai`, `anthropic`, `responses`: the wire protocols (chat completions, Messages, Responses).
 - `app`: the HTTP app, auth and body limits, model preparation, the entry points.
 
 Names are imported lazily (`from rl.serve import X` loads only the module that defines X).
@@ -30,6 +30,7 @@ _WHERE = {
     "parse_chat_request": "openai", "completion_json": "openai", "stream_chunks": "openai", "message_json": "openai",
     "usage_json": "openai", "parse_message": "openai",
     "parse_messages_request": "anthropic", "nearest_tier": "anthropic",
+    "parse_responses_request": "responses", "ResponseStore": "responses",
     "create_app": "app", "prepare_model": "app", "build_service": "app", "engine_config": "app", "main": "app",
     "main_from_args": "app", "serve": "app",
 }

@@ -16,7 +16,7 @@ from jointrl.records import Message, ToolCall
 from model import chat
 from rl.config import RolloutSection
 from rl.rollout.codec import make_codec
-from rl.serve import (ApiError, ChatRequest, Completion, ServeCodec, ServeRecord, ServeSettings, TokenHistory, ToolChoice, Recorder,
+from rl.serve import (ApiError, ChatRequest, ChatService, Completion, ServeCodec, ServeRecord, ServeSettings, TokenHistory, ToolChoice, Recorder,
                       completion_json, encode_prompt, finish_choice, parse_chat_request, read_records, recorded_sequence,
                       stream_chunks, token_text_ends)
 
@@ -561,3 +561,77 @@ def test_every_serve_flag_sets_its_setting(monkeypatch):
     assert from_args(p.parse_args(["m", "--api-key", "k2"])).api_key == "k2"
     with pytest.raises(SystemExit):
         p.parse_args(["m", "--thinking-budgets", "huge=3"])
+
+
+# ----------------------------------------------------------------------------- efforts, default budgets, model names
+def test_openai_efforts_fold_onto_the_three_tiers():
+    budgets = RolloutSection().thinking_budgets
+    for effort, tier in (("minimal", "low"), ("low", "low"), ("medium", "high"), ("high", "high"), ("max", "max")):
+        for key in ("reasoning_effort", "thinking_budget"):
+            r = req(**{key: effort})
+            assert (r.tier, r.thinking_budget, r.default_budget) == (tier, None if budgets[tier] < 0 else budgets[tier], False)
+    assert req(reasoning_effort="minimal", thinking_budget="low").tier == "low"  # the same budget named twice agrees
+    assert req().default_budget and req().tier == SETTINGS.default_tier
+
+
+def test_a_request_without_a_budget_keeps_half_the_reply_for_its_answer():
+    svc = ChatService(None, CODEC, SETTINGS, NAMES, 4096)
+    high = RolloutSection().thinking_budgets["high"]
+    assert svc.prepare(req(max_tokens=100)).thinking_budget == 50  # the default tier (256) would take all 100
+    assert svc.prepare(req(max_tokens=2000)).thinking_budget == high  # the tier's budget leaves room already
+    assert svc.prepare(req(max_tokens=100, reasoning_effort="high")).thinking_budget is None  # asked for: 256 >= 100, no cap
+    assert svc.prepare(req(max_tokens=100, reasoning_effort="low")).thinking_budget == RolloutSection().thinking_budgets["low"]
+
+
+def test_a_pullable_model_name_resolves_as_train_resolves_it():
+    import dataclasses
+
+    from model import hub
+    from rl.config import RunConfig, resolve_pullable
+    from rl.serve import prepare_model
+
+    name = "smollm2-135m-moe"
+    if not hub.is_cached(name):
+        pytest.skip(f"{name} is not pulled on this machine (`jointrl models pull {name}`)")
+    cfg = RunConfig()
+    want = resolve_pullable(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=name))).model.arch
+    p = prepare_model(name, SETTINGS)
+    assert str(p.path) == want and p.served_names == (name,)
+    with pytest.raises(Exception, match="pullable model"):
+        prepare_model("smollm2-9000b", SETTINGS)
+
+
+# ----------------------------------------------------------------------------- the Responses API's items
+def test_responses_items_rebuild_the_chat_turns():
+    from rl.serve.responses import ENCRYPTED_PREFIX, ResponseStore, parse_responses_request
+
+    store = ResponseStore(4)
+    tools = [{"type": "function", "name": "get_cpu_usage", "parameters": {"type": "object", "properties": {}}}]
+    body = {"model": "tiny-test", "instructions": "be brief", "tools": tools, "reasoning": {"effort": "medium"}, "max_output_tokens": 40,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "cpu?"}]},
+                      {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "need data"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "get_cpu_usage", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "85%"},
+                      {"type": "reasoning", "id": "rs_2", "summary": [], "encrypted_content": ENCRYPTED_PREFIX + "aGlnaA=="},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is high."}]},
+                      {"role": "user", "content": "why?"}]}
+    call = parse_responses_request(body, SETTINGS, NAMES, CODEC, store)
+    r = call.req
+    assert [m.role for m in r.messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert (r.messages[2].reasoning, r.messages[2].tool_calls[0].name) == ("need data", "get_cpu_usage")
+    assert (r.messages[4].reasoning, r.messages[4].content) == ("high", "It is high.")
+    assert (r.tier, r.max_tokens, r.tool_choice, r.protocol) == ("high", 40, ToolChoice("auto"), "responses")
+    assert r.tools[0]["function"]["name"] == "get_cpu_usage"
+    # previous_response_id: the stored conversation, then the new input; instructions are the new request's only
+    store.put("resp_a", call.history + (Message(role="assistant", content="ok"),))
+    nxt = parse_responses_request({"model": "tiny-test", "previous_response_id": "resp_a", "input": "more"}, SETTINGS, NAMES, CODEC, store)
+    assert [m.role for m in nxt.req.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant", "user"]
+    for bad_body, status, param in [({"previous_response_id": "resp_nope", "input": "x"}, 404, "previous_response_id"),
+                                    ({"input": []}, 400, "input"), ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+                                    ({"input": "x", "reasoning": {"effort": "huge"}}, 400, "reasoning.effort"),
+                                    ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+                                    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, 400, "text"),
+                                    ({"input": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, 400, "input")]:
+        with pytest.raises(ApiError) as ei:
+            parse_responses_request({"model": "tiny-test", **bad_body}, SETTINGS, NAMES, CODEC, store)
+        assert (ei.value.status, ei.value.param) == (status, param), bad_body
