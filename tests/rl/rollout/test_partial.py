@@ -128,3 +128,43 @@ def test_a_step_with_one_long_episode_ends_when_the_short_ones_are_done():
     assert long_turns >= 21
     # the step without partial waits for every turn of the long episode; with partial it stops a few turns past the short ones
     assert pol2.requests == 7 * 3 + long_turns and rounds_partial < 7 * 3 + 8
+
+
+def test_config_keys_reach_the_loop_and_the_runtime_rolls_out_partially():
+    """rollout.context* become the loop's ContextSettings; rollout.partial / step_token_budget make Runtime.rollout
+    carry unfinished episodes to the next call (a Runtime without Ray: the engine is the trail-playing double)."""
+    from rl.config import load_config
+    from rl.rollout.multimodal import ImageSettings
+    from rl.runtime import Runtime, loop_settings_for
+
+    codec = make_codec("jointrl", None)
+    cfg = load_config(None, ["rollout.context=window", "rollout.context_keep_turns=2", "rollout.context_budget_tokens=900",
+                             "rollout.context_domains={terminal: summarize}", "rollout.partial=on", "rollout.step_token_budget=300",
+                             "rollout.max_model_len=2048", "algorithm.group_size=1", "envs.max_turns=40"])
+    s = loop_settings_for(cfg, codec)
+    assert (s.context.strategy, s.context.keep_turns, s.context.budget_tokens) == ("window", 2, 900)
+    assert s.context.strategy_for("terminal") == "summarize" and s.context.strategy_for("swe") == "window"
+    tasks = [_task(0), _task(1)]
+    pol = VersionedPolicy(codec, tasks)
+
+    class Engine:  # the dispatcher's blocking generate
+        def generate(self, reqs):
+            return asyncio.run(pol(list(reqs)))
+
+    rt = Runtime(load_config(None, ["rollout.context=full", "rollout.partial=on", "rollout.step_token_budget=300",
+                                    "algorithm.group_size=1", "envs.max_turns=40", "rollout.max_model_len=8192"]))
+    rt.codec, rt.tok, rt.think_ids, rt.image_settings = codec, codec.tokenizer, None, ImageSettings()
+    rt.env_ids, rt.domains, rt.rollout_engine = {"terminal": ENV}, ["terminal"], Engine()
+    groups, m = rt.rollout(tasks, step=0)
+    assert groups == [] and m["rollout/partial_episodes"] == 2.0
+    finished, most = [], 0.0
+    for step in range(1, 16):
+        rt.policy_version = step
+        pol.version = min(step, 2)
+        groups, m = rt.rollout([], step=step)
+        finished += groups
+        most = max(most, m.get("rollout/policy_versions_per_episode_max", 0.0))
+        if len(finished) == 2:
+            break
+    assert {g.task_id for g in finished} == {t.id for t in tasks} and most >= 2
+    assert all(e.reward == 1.0 for g in finished for e in g.episodes) and m["rollout/partial_episodes"] == 0.0
