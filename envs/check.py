@@ -13,11 +13,12 @@
                  a truncated episode, which scores 0 without testing anything. The domain's own `noop`
                  is used when it has one; otherwise the checker calls the ending tool with empty values
                  ("", 0, false, [], {}) for its required arguments.
-  best constant  for domains that take a free-text answer (an ending tool with one required string
-                 argument, or a final reply): the best mean reward on held-out tasks over a candidate set
-                 of constant answers (`CONSTANT_CANDIDATES`, the most frequent reference answers of both
-                 splits, and the domain's own `constant_candidates(tasks)`). Fails at >= CONSTANT_LIMIT
-                 unless the registry marks the domain out of the default mix (`EnvSpec.default_mix`).
+  best constant  for domains that take a free-text answer (they declare `constant_candidates(tasks)`;
+                 the answer goes to an ending tool with one required string argument, or is a final
+                 reply): the best mean reward on held-out tasks over a candidate set of constant answers
+                 (`CONSTANT_CANDIDATES`, the most frequent `private["reference"]` answers of both splits,
+                 and the domain's own candidates). Fails at >= CONSTANT_LIMIT unless the registry marks
+                 the domain out of the default mix (`EnvSpec.default_mix`).
   close          close() twice is fine; step() after close() does not raise
   max turns      an episode of plain-text replies is truncated after exactly max_turns, fixed reward
   wall time      an exhausted episode time budget truncates the episode and runs no tool
@@ -155,7 +156,11 @@ def do_nothing(env: ToolEnv, task: Task) -> list[ToolInvocation] | list[Message]
 
 def constant_episode(env: ToolEnv, text: str) -> list[ToolInvocation] | list[Message] | None:
     """The episode that answers `text` and nothing else, or None when the domain takes no free-text answer:
-    its ending tool when that has exactly one required argument, a string; else a final reply."""
+    its ending tool when that has exactly one required argument, a string; else a final reply. Only
+    domains that declare `constant_candidates(tasks)` take part (an answer domain does; a domain whose
+    ending tool takes code, like CAD's `submit(code)`, would spend a full grade on every constant)."""
+    if not callable(getattr(env.domain, "constant_candidates", None)):
+        return None
     ender = _ender(env)
     if ender is not None:
         props = ender.parameters.get("properties", {})

@@ -139,9 +139,16 @@ class _YesNo(Domain):
     def reference(self, task):
         return [ToolInvocation("submit", {"answer": task.private["answer"]})]
 
+    def constant_candidates(self, tasks):  # a free-text answer domain: the best-constant check applies
+        return ["maybe"]
+
 
 class _PaysForNothing(_YesNo):
     empty_scores = 1.0
+
+
+class _NotAnAnswerDomain(_YesNo):
+    constant_candidates = None  # e.g. an ending tool that takes code: no constant-answer check
 
 
 class _MalformedNoop(_YesNo):
@@ -202,6 +209,8 @@ def test_best_constant_is_reported_and_fails_unless_the_domain_is_marked(yes_no)
     item = _item(marked, "best constant")
     assert item.passed and "marked, out of the default mix: constant-answer prior 0.75" in item.detail, item
     assert marked.passed, marked.render()
+    item = _item(check_env(yes_no(_NotAnAnswerDomain, "toy-notanswer-v0"), n_tasks=1, n_generate=8), "best constant")
+    assert item.passed and "not applicable" in item.detail, item
 
 
 def test_a_domain_out_of_the_default_mix_must_say_why():
