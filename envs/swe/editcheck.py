@@ -60,6 +60,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
+from envs.swe import libraries as L
 from envs.swe.libraries import Library
 
 # Standard modules new code may import and use freely: pure computation, no process, file,
@@ -338,8 +339,6 @@ def _file_vocabulary(path: str, data: bytes) -> frozenset[str]:
 @functools.lru_cache(maxsize=8)
 def _release_vocabulary(lib: Library) -> frozenset[str]:
     """Attribute names of the pinned release's library files (empty when it is not cached)."""
-    from envs.swe import libraries as L
-
     if lib.name not in L.LIBRARIES or L.get_library(lib.name) != lib:
         return frozenset()
     try:
