@@ -65,12 +65,19 @@ class Timed:
 
 
 def start_policy(model: Path, tmp: Path) -> tuple[subprocess.Popen, str, float]:
+    """The policy server, with a fresh key in this process's $JOINTRL_POLICY_API_KEY: the jobs servers started
+    below with --policy-url, their workers and the in-process runner all read it from there."""
+    import secrets
+
+    from rl.jobs.guard import POLICY_KEY_ENV
+
+    os.environ[POLICY_KEY_ENV] = secrets.token_urlsafe(24)
     port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "rl.jobs.policy", str(model), "--port", str(port)],
                             stdout=open(tmp / "policy.log", "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, 600, proc)
+    wait_healthy(url, 600, proc, api_key=os.environ[POLICY_KEY_ENV])
     return proc, url, time.perf_counter() - t0
 
 

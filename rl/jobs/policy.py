@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
+from starlette.requests import Request  # module level: FastAPI resolves the handlers' (string) annotations here
 
 from rl.config import ConfigError
 from rl.jobs.guard import POLICY_KEY_ENV, BodyError, KeyGate, check_key, read_json, short
@@ -139,7 +140,7 @@ def result_from_json(d: dict[str, Any]) -> GenerateResult:
 def build_app(engine: Any, limits: PolicyLimits, api_key: str):
     """The FastAPI app over a started engine (anything with `submit` and `score` like `RolloutEngine`); every
     route needs `api_key`."""
-    from fastapi import FastAPI, HTTPException, Request
+    from fastapi import FastAPI, HTTPException
 
     from rl.rollout.engine_platform import EngineError
 

@@ -3,7 +3,11 @@
 - 50 short terminal-basics-v0 jobs, burst from 1 replica to the maximum and back, one worker killed mid-job:
   every job completes exactly once and the database holds every event of every attempt.
 - The jobs server killed (SIGKILL) while jobs run, then restarted: no job is lost, clients keep polling;
-  a poison job lands in the dead-letter stream after --max-attempts; a cancelled job never runs to done.
+  a job past its split's end lands in the dead-letter stream on its first attempt; a cancelled job never
+  runs to done.
+- A job stuck in code that cannot be cancelled (the first generation of a slow environment's task set)
+  holds its worker only until --job-timeout: the job fails, the worker is replaced, and an honest job
+  submitted behind it completes.
 """
 from __future__ import annotations
 
@@ -195,7 +199,7 @@ def test_server_restart_loses_nothing_poison_is_dead_lettered_cancel_works(tiny_
     try:
         assert httpx.get(f"{api_only.url}/v1/jobs/workers", timeout=10).json() == {"workers": []}
         ids = [_submit(api_only.url, index=i) for i in range(12)]
-        poison = _submit(api_only.url, split="heldout", index=10**6)  # no such task: every attempt raises
+        poison = _submit(api_only.url, split="heldout", index=10**6)  # no such task: fails for good at once
         bad = httpx.post(f"{api_only.url}/v1/jobs", json={"env": "nosuch-v0"}, timeout=10)
         assert bad.status_code == 422 and "nosuch-v0" in bad.text
         cli = [sys.executable, "-m", "rl.cli", "jobs"]
@@ -232,13 +236,55 @@ def test_server_restart_loses_nothing_poison_is_dead_lettered_cancel_works(tiny_
         _check_exactly_once(store, ids)
         assert any(store.get(j).attempts == 2 for j in ids)  # a job interrupted by the kill was taken up again
         p = store.get(poison)
-        assert (p.status, p.attempts) == ("failed", 2) and "IndexError" in p.error
+        assert (p.status, p.attempts) == ("failed", 1) and "TaskIndexError" in p.error
         (dl,) = [d for _i, d in r.xrange("jointrl:jobs:dead")]
-        assert dl["job_id"] == poison and dl["attempts"] == "2" and "out of range" in dl["error"]
+        assert dl["job_id"] == poison and dl["attempts"] == "1" and "out of range" in dl["error"]
         v = store.get(victim)
         assert v.status == "cancelled" and v.result is None and "done" not in [e.kind for e in store.events(victim)]
         out = subprocess.run([*cli, "watch", ids[0], "--url", srv.url], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])["kind"] == "done"
+        store.close()
+    finally:
+        srv.stop()
+
+
+def test_a_stuck_job_holds_its_worker_only_until_the_time_limit(tiny_ckpt, policy_url, tmp_path):
+    """The red team's case: a job naming a task past the end of a slow environment's split held the only worker
+    for the whole generation (102 s there; cad-v0's first generation took 384 s here at load 20), and an honest
+    job queued behind it waited as long. With a cold task cache (a fresh $JOINTRL_CACHE) the same job is
+    stuck in synchronous generation that cancellation cannot reach: at --job-timeout it fails, the worker
+    process is replaced, and the honest job completes."""
+    db = f"sqlite:///{tmp_path}/jobs.sqlite"
+    limit = 20.0
+    os.environ["JOINTRL_CACHE"], old = str(tmp_path / "cache"), os.environ.get("JOINTRL_CACHE")
+    try:
+        srv = JobsServer(tiny_ckpt, db, f"redis://127.0.0.1:{free_port()}/0", policy_url, tmp_path / "server.log",
+                         "--workers", "1", "--job-timeout", str(limit)).start()
+    finally:
+        if old is None:
+            os.environ.pop("JOINTRL_CACHE")
+        else:
+            os.environ["JOINTRL_CACHE"] = old
+    try:
+        first_worker = httpx.get(f"{srv.url}/v1/jobs/workers", timeout=10).json()["workers"][0]["name"]
+        t0 = time.monotonic()
+        hostile = httpx.post(f"{srv.url}/v1/jobs", json={"env": "cad-v0", "index": 10**6}, timeout=120).json()["id"]
+        honest = _submit(srv.url, index=0)
+        store = open_store(db)
+        deadline = time.monotonic() + limit + 240
+        while store.get(honest).status != "done":
+            assert time.monotonic() < deadline, (store.get(hostile), store.get(honest))
+            time.sleep(0.5)
+        honest_s = time.monotonic() - t0
+        h = store.get(hostile)
+        print(f"stuck job: {h.status} after {h.finished_at - h.started_at:.1f}s ({h.error}); honest job done "
+              f"{honest_s:.1f}s after both were submitted")
+        assert h.status == "failed" and "JobTimeout" in h.error and "replaced" in h.error
+        assert h.finished_at - h.started_at < limit + 15
+        kinds = [e.kind for e in store.events(hostile)]
+        assert kinds[-2:] == ["dead_letter", "failed"] and kinds.count("started") == 1  # not retried
+        workers = [w["name"] for w in httpx.get(f"{srv.url}/v1/jobs/workers", timeout=10).json()["workers"]]
+        assert workers and first_worker not in workers  # the stuck process was replaced
         store.close()
     finally:
         srv.stop()

@@ -259,3 +259,59 @@ def test_malformed_queries_and_headers_get_a_4xx_and_the_server_keeps_serving(ke
     ok = _submit(keyed.url, KEY_A, split="heldout", index=2, thinking="max")
     assert httpx.get(f"{keyed.url}/v1/jobs/{ok}", headers=h, timeout=30).json()["spec"] == {
         "env": ENV, "split": "heldout", "index": 2, "thinking": "max"}
+
+
+# ----------------------------------------------------------------------------- the internal policy server
+GOOD = {"prompt_token_ids": [1, 20, 30, 40], "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "seed": 7}
+BAD_FIELDS: list[tuple[str, object]] = [
+    ("seed", 2**64), ("seed", 2**63), ("seed", -1), ("seed", 1.5), ("seed", True), ("seed", "7"),
+    ("prompt_token_ids", []), ("prompt_token_ids", [1, -1]), ("prompt_token_ids", [1, 10**9]), ("prompt_token_ids", [1, 2**64]),
+    ("prompt_token_ids", [1] * 2048), ("prompt_token_ids", "1 2 3"), ("prompt_token_ids", [1, 2.0]), ("prompt_token_ids", [[1]]),
+    ("max_tokens", 0), ("max_tokens", 10**12), ("max_tokens", -5), ("max_tokens", None),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.1), ("temperature", 1e308), ("temperature", "1"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
+    ("stop_token_ids", [10**9]), ("stop_token_ids", [-1]), ("stop_token_ids", list(range(1000))),
+    ("thinking_budget", -1), ("thinking_budget", 10**9),
+    ("routed_experts_prompt_start", 99), ("routed_experts_prompt_start", -1),
+    ("ignore_eos", "yes"), ("images", [{"pixels": [1, 2]}]), ("logit_bias", {"5": 100}),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS, ids=[f"{f}={str(v)[:20]}" for f, v in BAD_FIELDS])
+def test_policy_request_fields_are_held_to_the_engine_ranges(field, value):
+    from rl.jobs.policy import BadRequest, PolicyLimits, check_request
+
+    limits = PolicyLimits(vocab_size=512, max_model_len=2048)
+    assert check_request(dict(GOOD), limits).seed == 7
+    with pytest.raises(BadRequest, match=field):
+        check_request({**GOOD, field: value}, limits)
+
+
+@pytest.mark.slow
+def test_policy_server_needs_its_key_and_no_request_can_poison_the_engine(policy_url):
+    """Through HTTP, against the real engine: every route needs the policy's key; the red team's poisoning
+    seed (2^64) and every out-of-range field get a 400 before reaching the engine; afterwards the engine
+    still answers, and a seeded request is reproducible."""
+    from tests.rl.jobs.conftest import POLICY_KEY
+
+    key = {"x-api-key": POLICY_KEY}
+    for path, method in (("/health", "GET"), ("/generate", "POST"), ("/score", "POST")):
+        for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, f"{policy_url}{path}", headers=headers, json=[GOOD], timeout=60)
+            assert r.status_code == 401, (path, headers, r.status_code)
+    assert httpx.get(f"{policy_url}/health", headers=key, timeout=60).status_code == 200
+    for field, value in BAD_FIELDS:
+        body = json.dumps([{**GOOD, field: value}], allow_nan=True)
+        r = httpx.post(f"{policy_url}/generate", content=body, headers={**key, "content-type": "application/json"}, timeout=120)
+        assert r.status_code == 400, (field, value, r.status_code, r.text[:300])
+    for body in (b"[" * 50_000 + b"]" * 50_000, b'[{"seed": ' + b"9" * 5000 + b"}]", b"\xff", b"{}", b"[]",
+                 json.dumps([GOOD] * 300).encode(), b'[[1, 2], [1, 99999999]]'):
+        for path in ("/generate", "/score"):
+            r = httpx.post(f"{policy_url}{path}", content=body, headers={**key, "content-type": "application/json"}, timeout=120)
+            assert 400 <= r.status_code < 500, (path, body[:40], r.status_code)
+    runs = [httpx.post(f"{policy_url}/generate", json=[GOOD], headers=key, timeout=300) for _ in range(2)]
+    assert all(r.status_code == 200 for r in runs), [r.text[:300] for r in runs]
+    a, b = (r.json()[0] for r in runs)
+    assert len(a["token_ids"]) >= 1 and a["token_ids"] == b["token_ids"]  # the engine is healthy, and seeds still work
+    s = httpx.post(f"{policy_url}/score", json=[[1, 20, 30, 40]], headers=key, timeout=300)
+    assert s.status_code == 200 and len(s.json()[0]) == 3
