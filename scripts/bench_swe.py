@@ -8,7 +8,8 @@
    (one process, in-process recorder) gives the same outcomes as the current one (judge + worker).
 2. Per small-set instance, with its reference fix: grading time the `--before` way and the
    current way (`grader.grade`: edit validation and splice, canaries, judge + worker, allowlisted
-   mounts), interleaved, median of `--repeats`. Both must resolve. The `--before` way is that
+   mounts), interleaved, median of `--repeats`, in wall time and in CPU time (this process plus
+   the sandboxes it waited for). Both must resolve. The `--before` way is that
    revision's code, read with `git show`: for a revision from before the judge/worker runner,
    its `envs/swe/runner.py` (one pytest process writing its own result, whole `/usr` and
    interpreter root mounted, no edit validation, no canaries); for a later one, its
@@ -31,6 +32,7 @@ import asyncio
 import hashlib
 import importlib.util
 import os
+import resource
 import secrets
 import shutil
 import statistics
@@ -147,6 +149,13 @@ def grade_before_judge(backend, before: ModuleType, runtime: Path, lib: L.Librar
     return Gb.verdict(res, f2p, p2p, edits, canaries).resolved
 
 
+def cpu_now() -> float:
+    """CPU seconds of this process and every child it has waited for (the sandbox and what ran in it):
+    on a loaded shared machine, the cost that wall time hides behind other tenants' work."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
 def grade_now(backend, lib: L.Library, task, start, lib_files) -> bool:
     path = task.private["mutation"]["path"]
     edits = G.AgentEdits(lib_files, (path,), ())
@@ -227,8 +236,9 @@ def main() -> int:
 
     small = B.ensure_built(B.SMALL, log=lambda *x: None)
     print(f"\ngrading per small-set instance (reference fix), before = {a.before}'s runner, median of {a.repeats}:")
-    print(f"{'instance':<58}{'before s':>10}{'after s':>10}{'after/before':>14}")
-    ratios = []
+    print(f"{'instance':<58}{'before s':>10}{'after s':>10}{'after/before':>14}{'cpu bef':>10}{'cpu aft':>10}"
+          f"{'cpu a/b':>10}")
+    ratios, cpu_ratios = [], []
     for inst in small:
         task = task_of(inst)
         lib = I.task_library(task)
@@ -236,18 +246,23 @@ def main() -> int:
         lib_files[inst.mutation.path] = I.pristine(lib.name)[inst.mutation.path]
         tree = I.grading_tree(task, lib_files)
         start = I.agent_repo(task)
-        tb, tn = [], []
+        tb, tn, cb, cn = [], [], [], []
         for _ in range(a.repeats):
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), cpu_now()
             assert grade_before(backend, before, old_rt, lib, tree, inst.fail_to_pass, inst.pass_to_pass, start,
                                 lib_files), inst.instance_id
             tb.append(time.monotonic() - t0)
-            t0 = time.monotonic()
+            cb.append(cpu_now() - c0)
+            t0, c0 = time.monotonic(), cpu_now()
             assert grade_now(backend, lib, task, start, lib_files), inst.instance_id
             tn.append(time.monotonic() - t0)
+            cn.append(cpu_now() - c0)
         ratios.append(med(tn) / med(tb))
-        print(f"{inst.instance_id[:57]:<58}{med(tb):>10.2f}{med(tn):>10.2f}{ratios[-1]:>14.2f}")
-    print(f"after/before: median {med(ratios):.2f}x, max {max(ratios):.2f}x (budget 1.5x)")
+        cpu_ratios.append(med(cn) / med(cb))
+        print(f"{inst.instance_id[:57]:<58}{med(tb):>10.2f}{med(tn):>10.2f}{ratios[-1]:>14.2f}"
+              f"{med(cb):>10.2f}{med(cn):>10.2f}{cpu_ratios[-1]:>10.2f}")
+    print(f"after/before wall: median {med(ratios):.2f}x, max {max(ratios):.2f}x; "
+          f"CPU: median {med(cpu_ratios):.2f}x, max {max(cpu_ratios):.2f}x (budget 1.5x)")
 
     import envs
     from envs.play import ScriptedPolicy, run_episode
