@@ -106,6 +106,7 @@ def episode(backend, task, calls, env_id="swe-v0"):
     return asyncio.run(go()).grade
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
 @pytest.mark.parametrize("carrier", ["module_annotation", "annotation_string", "body_code"])
 def test_attack_is_rejected_before_it_runs(backend, toolz_task, carrier, payload):
