@@ -3,7 +3,8 @@
 It loads and validates the config (keys, types, allowed values, cross-section rules, environment ids and
 model names with the nearest valid name, files such as `trainer.sft_data`), decides what the run would do
 with its run directory (new, resume, refuse: rl/rundir.py), checks the GPUs the config asks for against
-this machine's, the memory the run needs against what the machine has free (rl/admission.py), and whether
+this machine's (a refusal), the memory the run needs against what the machine has free now (rl/admission.py;
+a warning, since the real run's admission decides at its start), and whether
 the sandbox its domains need can start here (envs/sandbox). It prints the resolved config, the placement of
 each role, and what a real run would download or build. It downloads nothing, converts nothing, starts no
 Ray and writes nothing: a pullable model that is not cached keeps its name and is listed as a pull.
@@ -74,8 +75,10 @@ def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") ->
     free = memory_available()
     print(f"memory: the run needs ~{need.total_gib:.1f} GiB ({need.describe()}); {free:.1f} GiB available now")
     if not os.environ.get("RAY_ADDRESS") and need.total_gib > free:
-        problems.append(f"the run needs ~{need.total_gib:.1f} GiB and {free:.1f} GiB is available (other runs or jobs "
-                        "hold the rest; docs/training.md, 'Several runs on one machine')")
+        # Memory comes and goes with the machine's other work: the real run's admission decides at its start
+        # (rl/admission.py); here it is a warning, not a refusal.
+        print(f"warning: ~{need.total_gib:.1f} GiB needed and {free:.1f} GiB available now: a run started now would be "
+              "refused until other runs or jobs free memory (docs/training.md, 'Several runs on one machine')")
 
     print("# sandbox")
     try:
@@ -88,6 +91,8 @@ def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") ->
         problems.append(f"sandbox: {e}")
         print(f"refused: {e}")
 
+    if cfg.envs.plugins:
+        print(f"# plug-in domains (envs.plugins), loaded: {', '.join(cfg.envs.plugins)}")
     print("# a real run pulls")
     for line in pulls(cfg) or ["nothing (every model it names is cached or a directory)"]:
         print(line)

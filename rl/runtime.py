@@ -264,6 +264,7 @@ class Runtime:
         # run's domain key (`envs.weights`), so a curriculum rung and its full domain (e.g. terminal-basics-v0
         # and terminal-v0, both "terminal" in their env) are sampled, logged and evaluated apart.
         stages.next("task pools")
+        envs.load_plugins(cfg.envs.plugins)  # loaded by the config's validation already; a config built in code too
         self.domains = [d for d, w in cfg.envs.weights.items() if w > 0]
         self.env_ids = {d: cfg.envs.env_ids[d] for d in self.domains}
         self.train_tasks: dict[str, list[Task]] = {}

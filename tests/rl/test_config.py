@@ -68,7 +68,7 @@ def test_shipped_configs_validate():
 
 
 def test_cli_reports_config_error_before_starting():
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "train", "trainer.lrr=1"], capture_output=True, text=True, cwd=REPO, timeout=180)
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "train", "-", "trainer.lrr=1"], capture_output=True, text=True, cwd=REPO, timeout=180)
     assert r.returncode == 2
     assert "trainer.lrr" in r.stderr and "did you mean 'trainer.lr'" in r.stderr
 
@@ -159,7 +159,7 @@ def test_dry_run_prints_the_config_and_every_role_s_placement(capsys):
 
     assert main(["train", str(REPO / "configs" / "tiny.yaml"), "algorithm.kl_coef=0.1", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    placement = out.split("# placement\n", 1)[1].splitlines()
+    placement = out.split("# placement\n", 1)[1].split("\n# ", 1)[0].splitlines()  # up to the dry run's next section
     assert [line.split(":", 1)[0] for line in placement] == ["ray", "trainer", "reference", "rollout", "environments"]
     assert "ZeRO-1" in placement[1] and "kl_coef: 0.1" in out
 
