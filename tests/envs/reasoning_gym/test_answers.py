@@ -3,7 +3,7 @@
 Values are checked against a slow reference written from the grammar (an explicit expression tree
 evaluated with `Fraction`), the scorers against reasoning-gym's own on honest answers, and every
 grammar against the attacks it exists for (calls, names, attributes, subscripts, towers of powers,
-nesting floods), each refused in well under a millisecond. No judge process: fast."""
+nesting floods), each refused within milliseconds (50 calls timed together). No judge process: fast."""
 from __future__ import annotations
 
 import random
@@ -50,9 +50,10 @@ def test_arithmetic_values_match_a_tree_evaluated_by_hand():
 ])
 def test_arithmetic_refuses_everything_but_integers_and_four_operators(attack):
     t0 = time.perf_counter()
-    with pytest.raises(AnswerRefused):
-        parse_arithmetic(attack)
-    assert time.perf_counter() - t0 < 0.01
+    for _ in range(50):  # timed over 50 calls: one call's time is noise on a loaded machine
+        with pytest.raises(AnswerRefused):
+            parse_arithmetic(attack)
+    assert time.perf_counter() - t0 < 0.5
 
 
 def _entry(numbers, target=None, answer=""):
@@ -117,9 +118,10 @@ def test_symbolic_gate_admits_antiderivatives(ok):
 ])
 def test_symbolic_gate_refuses_code_and_blowups(attack):
     t0 = time.perf_counter()
-    with pytest.raises(AnswerRefused):
-        check_symbolic(attack, frozenset({"x", "C"}))
-    assert time.perf_counter() - t0 < 0.02
+    for _ in range(50):
+        with pytest.raises(AnswerRefused):
+            check_symbolic(attack, frozenset({"x", "C"}))
+    assert time.perf_counter() - t0 < 1.0
 
 
 def test_literal_gate():
