@@ -2,16 +2,19 @@
 
 What it does
 - `create_app(service, api_key)`: FastAPI routes `/v1/chat/completions` (rl.serve.openai),
-  `/v1/messages` and `/v1/messages/count_tokens` (rl.serve.anthropic), `/v1/models`, `/health`,
-  `/metrics` (Prometheus text). Errors use the route's protocol shape (Anthropic's under
+  `/v1/responses` (rl.serve.responses), `/v1/messages` and `/v1/messages/count_tokens` (rl.serve.anthropic),
+  `/v1/models`, `/health`, `/metrics` (Prometheus text). Errors use the route's protocol shape (Anthropic's under
   `/v1/messages`, OpenAI's elsewhere), never a bare 500 for a bad request.
 - An ASGI gate in front of every route: the API key (`Authorization: Bearer K` or `x-api-key: K`;
-  401 otherwise) and per-route request counting.
+  401 otherwise; an empty or blank key is refused when the app is built) and per-route request counting.
+  `/health` answers without the key, and then only `{"status": "ok"}`.
+- Bodies that are not JSON, not UTF-8, nested past 64 levels or hold lone surrogates are a 400.
 - Request bodies larger than `max_body_bytes` get 413 (checked on Content-Length and while reading);
   a full admission queue gets 429 with `Retry-After`.
 - A client that disconnects (streamed or not) cancels its request: the engine request is aborted
   at once (`rl.serve.service.ChatService.run`).
-- `prepare_model` / `build_service` / `main`: resolve the model argument, pick the chat codec the way
+- `prepare_model` / `build_service` / `main`: resolve the model argument (a pullable name through train's
+  resolver, `pullable_checkpoint`), pick the chat codec the way
   training does (rl/serve/codec.py), build the engine, serve.
 
 What it does not do

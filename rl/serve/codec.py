@@ -17,8 +17,10 @@ What it does
     probes do not fit (harmony) streams nothing until the reply is parsed.
   - `forced_call_prefix(name, after_reasoning)`: the text that opens a tool call (tool_choice
     required / named): the project format's, or Hermes's for the `hermes` tool parser; None otherwise.
-  - `defuse(text)`: breaks the codec's special strings (`special_strings`) in client text, so a user or
-    tool message cannot forge turns.
+  - `defuse(text)`, `defuse_message`, `defuse_tool`: break every structure string of the format
+    (`structure_strings`: the codec's turn markers, every added token of the tokenizer, the parsers' and the
+    Hermes presentation's text markers) in client text, so no client text can forge turns, thinking, calls
+    or tool results.
 
 What it does not do
 - Render or parse a format itself (the codec does), HTTP, or engine calls.

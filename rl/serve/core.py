@@ -8,6 +8,9 @@ What it does
 - `finish_choice`: a finished completion (ids) -> the reply message (parsed by the checkpoint's chat
   codec, `rl.serve.codec.ServeCodec`), finish reason and parse errors.
 - Token reuse across turns (`TokenHistory`, `encode_prompt`), on the codec's token ids.
+- The engine's ranges, checked before anything reaches it: seeds (int64 in, `engine_seed` in [0, 2**63) out),
+  token counts (<= 2**31 - 1), `top_logprobs` (<= 20), body depth (<= 64) and text (no lone surrogates);
+  the effort names every route reads (`budget_fields`, `parse_budget_value`), raw-JSON `extra_body`.
 
 What it does not do
 - No HTTP, no engine calls, no wire formats, no chat format of its own (rl/serve/codec.py).
@@ -108,7 +111,7 @@ def parse_seed(value: Any, param: str = "seed") -> int | None:
     if value is None:
         return None
     if not is_int(value) or not SEED_MIN <= value <= SEED_MAX:
-        raise bad(f"{param} must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {_short(value)}", param)
+        raise bad(f"{param} must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {brief(value)}", param)
     return int(value)
 
 
@@ -117,7 +120,7 @@ def engine_seed(seed: int, phase: int, index: int) -> int:
     return (seed + 1000 * phase + index) % (2 ** 63)
 
 
-def _short(value: Any) -> str:
+def brief(value: Any) -> str:
     """A value for an error message, cut short (a 4,000-digit number or a long string stays readable)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -158,12 +161,12 @@ def sampling_numbers(body: Mapping[str, Any], max_temperature: float) -> tuple[f
     if temperature is None:
         temperature = 1.0
     if not is_num(temperature) or not 0 <= temperature <= max_temperature:
-        raise bad(f"temperature must be a number in [0, {max_temperature:g}], got {_short(temperature)}", "temperature")
+        raise bad(f"temperature must be a number in [0, {max_temperature:g}], got {brief(temperature)}", "temperature")
     top_p = body.get("top_p", 1.0)
     if top_p is None:
         top_p = 1.0
     if not is_num(top_p) or not 0 < top_p <= 1:
-        raise bad(f"top_p must be a number in (0, 1], got {_short(top_p)}", "top_p")
+        raise bad(f"top_p must be a number in (0, 1], got {brief(top_p)}", "top_p")
     return temperature, top_p
 
 
@@ -210,12 +213,12 @@ def parse_budget_value(value: Any, param: str, settings: ServeSettings) -> tuple
     """A `thinking_budget` value (tier name or token count) -> (tier, tokens)."""
     if is_int(value):
         if not 0 <= value <= MAX_TOKEN_COUNT:
-            raise bad(f"{param} as a token count must be in [0, {MAX_TOKEN_COUNT}], got {_short(value)}", param)
+            raise bad(f"{param} as a token count must be in [0, {MAX_TOKEN_COUNT}], got {brief(value)}", param)
         return None, int(value)
     if isinstance(value, str) and value in EFFORTS:
         tier = EFFORTS[value]
         return tier, settings.tier_budget(tier)
-    raise bad(f"{param} {_short(value)} is not one of {list(EFFORTS)} (or a token count >= 0)", param)
+    raise bad(f"{param} {brief(value)} is not one of {list(EFFORTS)} (or a token count >= 0)", param)
 
 
 def _parse_budget(body: Mapping[str, Any], settings: ServeSettings) -> tuple[str | None, int | None]:
@@ -241,7 +244,7 @@ def parse_max_tokens(value: Any, param: str) -> int | None:
     if value is None:
         return None
     if not is_int(value) or not 1 <= value <= MAX_TOKEN_COUNT:
-        raise bad(f"{param} must be an integer in [1, {MAX_TOKEN_COUNT}], got {_short(value)}", param)
+        raise bad(f"{param} must be an integer in [1, {MAX_TOKEN_COUNT}], got {brief(value)}", param)
     return int(value)
 
 

@@ -10,6 +10,8 @@ What it does
   delta of that step.
 - `abort(ids)` removes requests from the engine (vLLM `abort_request`, which frees their KV blocks)
   before its next step; no delta is delivered for them afterwards. It never waits for a step.
+- `ServeRequest`: a `GenerateRequest` plus `top_logprobs` (the alternatives per token come back on the
+  deltas) and vLLM structured outputs (`choice`, `json_object`) for forced tool calls.
 - `load()`: the scheduler's running / waiting request counts and KV-cache usage (for /health,
   /metrics and the disconnect test).
 

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 from jointrl.records import Message, ToolCall
 from rl.serve.codec import ServeCodec
 from rl.serve.core import (IMAGES_REFUSED, MAX_TOP_LOGPROBS, ApiError, ChatRequest, Choice, ServeSettings, TokenizerLike, ToolChoice,
-                           _short, bad, base64_image, check_limits, check_model, is_int, merge_extra_body, budget_fields,
+                           brief, bad, base64_image, check_limits, check_model, is_int, merge_extra_body, budget_fields,
                            parse_max_tokens, parse_seed, request_image, sampling_numbers)
 from rl.serve.service import Finished, Prepared, TextDelta
 
@@ -225,7 +225,7 @@ def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence
     if top_logprobs is None:
         top_logprobs = 0
     if not is_int(top_logprobs) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_short(top_logprobs)}", "top_logprobs")
+        raise bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {brief(top_logprobs)}", "top_logprobs")
     if top_logprobs and not logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs and stream:

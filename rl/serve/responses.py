@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from jointrl.records import Message, ToolCall
 from rl.serve.codec import ServeCodec
-from rl.serve.core import (ApiError, ChatRequest, Choice, ServeSettings, ToolChoice, _short, bad, budget_fields, check_limits, check_model,
+from rl.serve.core import (ApiError, ChatRequest, Choice, ServeSettings, ToolChoice, brief, bad, budget_fields, check_limits, check_model,
                            is_int, merge_extra_body, parse_budget_value, parse_max_tokens, parse_seed, sampling_numbers)
 from rl.serve.service import Finished, Prepared, TextDelta
 
@@ -108,7 +108,7 @@ def _text_parts(content: Any, where: str, codec: ServeCodec, allow_images: bool)
 
             images.append(_data_url_image(part, w, codec, f"{where}.content"))
         else:
-            raise bad(f"{w}: content parts of type {_short(kind)} are not supported here (input_text, output_text, input_image in "
+            raise bad(f"{w}: content parts of type {brief(kind)} are not supported here (input_text, output_text, input_image in "
                       "user messages)", f"{where}.content")
     return "".join(texts), tuple(images)
 
@@ -158,7 +158,7 @@ class _Turns:
             if role == "developer":
                 role = "system"
             if role not in ("user", "system", "assistant"):
-                raise bad(f"{where}.role {_short(role)} is not one of 'user', 'system', 'developer', 'assistant'", f"{where}.role")
+                raise bad(f"{where}.role {brief(role)} is not one of 'user', 'system', 'developer', 'assistant'", f"{where}.role")
             text, images = _text_parts(item.get("content"), where, self.codec, allow_images=role == "user")
             if role == "assistant":
                 self._text.append(text)
@@ -182,7 +182,7 @@ class _Turns:
             except (ValueError, RecursionError):
                 parsed = None
             if not isinstance(parsed, dict):
-                raise bad(f"{where}.arguments must be a JSON object string, got {_short(args)}", f"{where}.arguments")
+                raise bad(f"{where}.arguments must be a JSON object string, got {brief(args)}", f"{where}.arguments")
             self._calls.append(ToolCall(id=call_id, name=name, arguments=args))
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
@@ -195,7 +195,7 @@ class _Turns:
             self.flush()
             self.messages.append(Message(role="tool", content=self.codec.defuse(text), tool_call_id=call_id, images=images))
         else:
-            raise bad(f"{where}: input items of type {_short(kind)} are not supported (message, function_call, function_call_output, "
+            raise bad(f"{where}: input items of type {brief(kind)} are not supported (message, function_call, function_call_output, "
                       "reasoning)", f"{where}.type")
 
 
@@ -208,7 +208,7 @@ def _tools(raw: Any) -> tuple[tuple[Mapping[str, Any], ...] | None, tuple[Mappin
     for j, t in enumerate(raw):
         if not isinstance(t, Mapping) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, Mapping) else None
-            raise bad(f"tools[{j}]: only function tools are supported (hosted tools such as {_short(kind)} are not)", f"tools[{j}]")
+            raise bad(f"tools[{j}]: only function tools are supported (hosted tools such as {brief(kind)} are not)", f"tools[{j}]")
         name, params = t.get("name"), t.get("parameters")
         if not isinstance(name, str) or not name:
             raise bad(f"tools[{j}].name must be a non-empty string", f"tools[{j}].name")
@@ -236,7 +236,7 @@ def _tool_choice(raw: Any, tools: tuple[Mapping[str, Any], ...] | None) -> ToolC
         return ToolChoice(raw)  # type: ignore[arg-type]
     if isinstance(raw, Mapping) and raw.get("type") == "function":
         if raw.get("name") not in names:
-            raise bad(f"tool_choice names function {_short(raw.get('name'))}, which is not in tools {names}", "tool_choice")
+            raise bad(f"tool_choice names function {brief(raw.get('name'))}, which is not in tools {names}", "tool_choice")
         return ToolChoice("function", raw["name"])
     raise bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
 
@@ -278,7 +278,7 @@ def parse_responses_request(body: Any, settings: ServeSettings, model_names: Seq
             raise bad("previous_response_id must be a string", "previous_response_id")
         got = store.get(prev_id)
         if got is None:
-            raise ApiError(404, f"previous response {_short(prev_id)} is not stored on this server (unknown, evicted, or sent with "
+            raise ApiError(404, f"previous response {brief(prev_id)} is not stored on this server (unknown, evicted, or sent with "
                                 "store: false); send the conversation as input instead", param="previous_response_id",
                            code="previous_response_not_found")
         history = got
@@ -302,7 +302,7 @@ def parse_responses_request(body: Any, settings: ServeSettings, model_names: Seq
     temperature, top_p = sampling_numbers(body, max_temperature=2.0)
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
-        raise bad(f"stream must be a boolean, got {_short(stream)}", "stream")
+        raise bad(f"stream must be a boolean, got {brief(stream)}", "stream")
     store_flag = body.get("store", True)
     if not isinstance(store_flag, bool) and store_flag is not None:
         raise bad("store must be a boolean", "store")

@@ -11,6 +11,11 @@ What it does
   the engine produces them) ending with one `Finished` event (the parsed choices). Closing the
   iterator early (the client went away) aborts the engine requests at once. Finished replies are
   recorded (`rl.serve.records`) and remembered for token reuse; aborted ones are not.
+- tool_choice required / named: the call is written under vLLM's structured outputs (the name a choice
+  over the request's tools, the arguments a JSON object), the server closing it; replies name only the
+  request's tools (`finish_choice` drops others).
+- Every message and tool schema is defused (`ServeCodec.defuse_message` / `defuse_tool`) before rendering,
+  whichever route it came from; a request without a budget keeps half its reply for the answer.
 - Stop strings end generation as soon as they appear in the decoded text (the engine request is
   aborted; the reply and the recorded ids are cut as `finish_choice` does).
 - `Admission`: at most `max_running` requests generate at once, at most `max_queue` wait; beyond
