@@ -62,17 +62,20 @@ GRADE_WORK_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class PlainEnvelope:
-    """Files the pool grades in the worker's own process, on any worker: one solid, no BSpline poles and at
-    most this many faces and edge uses. Every family's part sits well inside (4-26 faces, 20-130 edge uses,
-    no poles), and a file this small on analytic surfaces grades in ~0.01-0.1 s. Anything else is "heavy":
+    """Files the pool grades in the worker's own process, on any worker: no BSpline poles and at most this
+    many solids, faces and edge uses (fusing a few solids of 48 faces in all is as cheap as one). Every
+    family's part sits well inside (one solid, 4-26 faces, 20-130 edge uses, no poles), and a file this
+    small on analytic surfaces grades in ~0.01-0.1 s. Anything else is "heavy":
     on at most `size - 1` workers at once, in a forked child with a CPU-time cap charged to the file
     (`CadWorkerPool`). Both kinds wait in one queue ordered by `grade_cost`."""
 
+    max_solids: int = 4
     max_faces: int = 48
     max_edges: int = 300
 
     def admits(self, stats: brep.BrepStats) -> bool:
-        return stats.solids == 1 and stats.poles == 0 and stats.faces <= self.max_faces and stats.edges <= self.max_edges
+        return (stats.solids <= self.max_solids and stats.poles == 0 and stats.faces <= self.max_faces
+                and stats.edges <= self.max_edges)
 
 
 PLAIN = PlainEnvelope()
@@ -263,12 +266,13 @@ def forked(work, cpu_s: int, wall_s: float) -> dict:
             out += chunk
     finally:
         os.close(r)
-    _, status = os.waitpid(pid, 0)
+    _, status, usage = os.wait4(pid, 0)
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
     if over or sig in (signal.SIGXCPU, signal.SIGKILL):
+        used = usage.ru_utime + usage.ru_stime
         return {"valid": False, "code": "cost",
-                "reason": f"grading this solid took more than its {cpu_s} s of CPU time ({wall_s:.0f} s of wall time); "
-                          "a part this complex is charged its own cost: simplify it"}
+                "reason": f"grading this solid took more than its {cpu_s} s of CPU time or {wall_s:.0f} s of wall time "
+                          f"(stopped after {used:.1f} s of CPU); a part this complex is charged its own cost: simplify it"}
     if sig or not out:
         return {"valid": False, "code": "crash", "reason": f"the kernel crashed on the solid (signal {sig})"}
     return json.loads(bytes(out))
@@ -562,9 +566,9 @@ class CadWorkerPool:
             raise ValueError(str(e)) from None
         if not self.plain.admits(stats):  # drawing is a convenience: only plain files take a worker for it
             raise ValueError(f"this solid is too complex to draw ({stats.solids} solids, {stats.faces} faces, "
-                             f"{stats.edges} edge uses, {stats.poles} BSpline poles; drawn: one solid of at most "
-                             f"{self.plain.max_faces} faces and {self.plain.max_edges} edge uses, no BSpline "
-                             "surfaces); submit still grades it")
+                             f"{stats.edges} edge uses, {stats.poles} BSpline poles; drawn: at most "
+                             f"{self.plain.max_solids} solids, {self.plain.max_faces} faces and {self.plain.max_edges} "
+                             "edge uses, no BSpline surfaces); submit still grades it")
         r = self.call({"op": "render_brep", "brep_b64": base64.b64encode(brep_data).decode(), "view": view, "size": size},
                       timeout_s, work_timeout_s=self.work_timeout_s, cost=grade_cost(stats))
         if not r.get("valid"):
