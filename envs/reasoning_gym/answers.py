@@ -202,11 +202,14 @@ _ARITH_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow)
 def _parse_bounded(text: str) -> ast.expression:
     if len(text) > MAX_GATE_CHARS:
         raise AnswerRefused(f"longer than {MAX_GATE_CHARS} characters")
-    depth = peak = 0
-    for ch in text:  # bound the nesting before Python's parser sees it
+    depth = peak = signs = 0
+    for ch in text:  # bound the nesting (brackets, chains of signs) before Python's parser sees it
         depth += ch in "([{"
         depth -= ch in ")]}"
         peak = max(peak, depth)
+        signs = signs + 1 if ch in "+-~" else signs if ch.isspace() else 0
+        if signs > MAX_DEPTH:
+            raise AnswerRefused(f"more than {MAX_DEPTH} signs in a row")
     if peak > MAX_DEPTH:
         raise AnswerRefused(f"nested deeper than {MAX_DEPTH}")
     try:

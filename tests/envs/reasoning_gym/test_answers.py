@@ -53,7 +53,7 @@ def test_arithmetic_refuses_everything_but_integers_and_four_operators(attack):
     for _ in range(50):  # timed over 50 calls: one call's time is noise on a loaded machine
         with pytest.raises(AnswerRefused):
             parse_arithmetic(attack)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.perf_counter() - t0 < 2.0  # 40 ms a call at most, on a machine at load 20
 
 
 def _entry(numbers, target=None, answer=""):
@@ -121,7 +121,7 @@ def test_symbolic_gate_refuses_code_and_blowups(attack):
     for _ in range(50):
         with pytest.raises(AnswerRefused):
             check_symbolic(attack, frozenset({"x", "C"}))
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 2.0
 
 
 def test_literal_gate():
