@@ -82,14 +82,33 @@ def chunked_logprobs(head: nn.Module, h_ND: torch.Tensor, targets_N: torch.Tenso
     that records a graph is checkpointed (its logits are recomputed in the backward, one tile at a time).
     `tile_tokens` <= 0 or N <= `tile_tokens`: one untiled call."""
     N = h_ND.shape[0]
-    if tile_tokens <= 0 or N <= tile_tokens:
+    n_tiles = 1 if tile_tokens <= 0 else max(1, -(-N // tile_tokens))
+    n_tiles = _tiles_on_every_rank(head, n_tiles, h_ND.device)
+    if n_tiles == 1:
         return _logprobs(head, h_ND, targets_N)
     grad = torch.is_grad_enabled() and (h_ND.requires_grad or any(p.requires_grad for p in head.parameters()))
     parts = []
-    for s in range(0, N, tile_tokens):
+    for i in range(n_tiles):  # tiles past the rows are empty: calls that keep ZeRO-3's gathers in step
+        s = min(i * tile_tokens, N)
         h, y = h_ND[s:s + tile_tokens], targets_N[s:s + tile_tokens]
         parts.append(checkpoint(_logprobs, head, h, y, use_reentrant=False) if grad else _logprobs(head, h, y))
     return torch.cat(parts)
+
+
+def _tiles_on_every_rank(head: nn.Module, n_tiles: int, device: torch.device) -> int:
+    """The most tiles any rank needs, where the head's weights are partitioned by ZeRO-3 (an all_reduce), else
+    `n_tiles`. Each call of a partitioned head gathers its weights collectively (and again in the backward's
+    recompute), so every rank must make as many calls: ranks hold different micro-batches (a padding-only rank
+    holds one short row), and a rank with fewer tiles would leave the others waiting in a gather."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return n_tiles
+    if not any(hasattr(p, "ds_id") for p in head.parameters()):  # not a ZeRO-3 parameter: no collective per call
+        return n_tiles
+    t = torch.tensor([n_tiles], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def tiled_token_logprobs(head: nn.Module, hidden_BWD: torch.Tensor, input_ids_BT: torch.Tensor,

@@ -6,7 +6,8 @@ each forward and backward gathers parameters collectively, and the per-step MoE 
 the ranks, so a pass or a reduction that the padding rank skips leaves the other rank waiting on a
 collective its peer never joins (the run hangs until gloo's timeout, then a rank dies). The passes at
 stake are the ones a KL reference with R2 routing replay adds (the routes are recorded in a no-grad
-pass first), the critic's update, and the telemetry's all_reduce. The check: the step completes, and
+pass first), the critic's update, the telemetry's all_reduce, and the LM head's calls when logprobs are
+computed in tiles (a rank with more loss tokens has more tiles: each call of a ZeRO-3 head gathers it). The check: the step completes, and
 the update equals the one-rank update of the same batch, as tests/rl/trainer/test_group.py checks for
 plain steps.
 """
@@ -32,7 +33,8 @@ def _step(init: str, ranks: int, batch) -> tuple[dict, dict]:
     from rl.weights import unpack_bucket
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_"))}
-    g = TrainerGroup.start(init, TrainerSpec(zero_stage=3, lr=1e-3, micro_batch_size=16, routing_replay="auto"),
+    g = TrainerGroup.start(init, TrainerSpec(zero_stage=3, lr=1e-3, micro_batch_size=16, routing_replay="auto",
+                                                   logprob_tile_tokens=16),
                            RLObjective(router_aux_coef=0.01, kl_coef=0.05), num_ranks=ranks, env=env,
                            critic=CriticSpec(zero_stage=3, micro_batch_size=16, lr=1e-3))
     try:
