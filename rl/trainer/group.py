@@ -70,6 +70,10 @@ class TrainerLostError(RuntimeError):
     """A trainer rank died (its process or its node): the step cannot complete; the run resumes from its checkpoint."""
 
 
+class TrainerStepError(RuntimeError):
+    """Trainer ranks' calls failed (their processes alive): the message has each failed rank's own error."""
+
+
 @dataclass(frozen=True)
 class RankProcess:
     """Where one trainer rank runs: what the report of its death names."""
@@ -162,11 +166,38 @@ class TrainerGroup:
                 ids = [w._actor_id.hex() for w in self.workers]
                 dead = [(ids.index(e.actor_id) if e.actor_id in ids else -1, e)]
             if not dead:
+                failed = self._rank_failures(refs)
+                if len(failed) > 1 or (failed and isinstance(refs, list) and len(refs) > 1):
+                    raise TrainerStepError("; ".join(f"trainer rank {r} failed: {self._last_line(err)}"
+                                                     for r, err in failed)) from e
                 raise
             raise TrainerLostError(
                 "; ".join(self._death_line(rank, err) for rank, err in dead) + ". A lost rank fails the step, and "
                 "the driver does not restart the trainer: run `jointrl train` again with the same config to resume "
                 "from the run's last checkpoint (trainer.resume=true)") from e
+
+    def _rank_failures(self, refs: Any, wait_s: float = _DEATH_WAIT_S) -> list[tuple[int, Exception]]:
+        """Each rank call of `refs` that raised, in rank order (waiting up to `wait_s` for the others to end):
+        when one rank fails inside a collective its peers fail too ("Connection closed by peer"), and the
+        first error in rank order is often a peer's, not the cause."""
+        import ray
+
+        if not isinstance(refs, list):
+            return []
+        ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as err:  # noqa: BLE001  (each rank's own error, reported together)
+                out.append((rank, err))
+        return out
+
+    @staticmethod
+    def _last_line(err: Exception) -> str:
+        """A rank's error in one line: the innermost exception line of Ray's traceback text."""
+        lines = [c.strip() for c in str(err).strip().splitlines() if c.strip()]
+        return lines[-1][:500] if lines else type(err).__name__
 
     def _dead_ranks(self, wait_s: float) -> list[tuple[int, Exception]]:
         """The ranks whose actor is dead, each with Ray's error for it; polls up to `wait_s` for one to show."""
