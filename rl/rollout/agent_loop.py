@@ -362,7 +362,8 @@ async def _episode(env: Any, codec: ChatCodec, settings: LoopSettings, p: _Progr
         size = len(seg.tokens) + len(new_ids)
         if size + settings.min_room > settings.max_model_len or (strategy != "full" and size > budget):
             images.discard()
-            ok = await _compact(codec, settings, p, gen, new_msgs, strategy, budget, step_budget)
+            # no turn is left to take in a new context (nor to summarize for): the episode ends here as truncated
+            ok = p.turns < max_turns and await _compact(codec, settings, p, gen, new_msgs, strategy, budget, step_budget)
             p.history.extend(new_msgs)
             if not ok:
                 truncated = True
