@@ -43,6 +43,7 @@ NO_REFERENCE = "no reference answer (entry['answer'] is None and the metadata ho
 # seed 0 with the candidate set of envs.check (docs/adapters.md has the table and the command).
 PRIORS: dict[str, tuple[float, str]] = {
     "propositional_logic": (0.797, "(Q ∨ P)"),   # any valid conclusion counts; this one follows from most premise sets
+    "syllogism": (0.703, "Yes"),
     "circuit_logic": (0.547, "0"),
     "course_schedule": (0.531, "True"),
     "isomorphic_strings": (0.516, "True"),
