@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import json
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -173,8 +174,6 @@ def constant_episode(env: ToolEnv, text: str) -> list[ToolInvocation] | list[Mes
 
 
 def _candidates(env: ToolEnv, train: list[Task], held: list[Task]) -> list[str]:
-    from collections import Counter
-
     out = list(CONSTANT_CANDIDATES)
     for tasks in (train, held):
         refs = Counter(str(t.private["reference"]) for t in tasks if isinstance(t.private.get("reference"), str))
@@ -189,8 +188,9 @@ def best_constant(env_id: str, held: list[Task], train: list[Task] | None = None
                   env_kwargs: dict[str, Any] | None = None, screen: int = 16) -> ConstantBaseline | None:
     """The best constant answer's mean reward over `held` (None when the domain takes no free-text answer).
 
-    Every candidate is scored on the first `screen` tasks; the three best on all of `held` (a constant that
-    is good on all tasks is good on the first few, and the screen keeps the check to seconds)."""
+    Every candidate is scored on the first `screen` tasks and the three best on all of `held`: the screen
+    keeps the check to seconds, and can miss a constant that pays only on the tasks after it (held-out
+    tasks come in generator order, not sorted by answer, so the first 16 are a sample of the rest)."""
     kw = dict(env_kwargs or {})
     env0 = make(env_id, **kw)
     try:
