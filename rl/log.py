@@ -4,7 +4,8 @@
 format on stderr. Given a run directory it also keeps everything at full detail in RUN_DIR/logs/:
 `driver.log` (this process, every logger, DEBUG), `engines.log` (the vLLM engines of the run's rollout workers,
 configured through vLLM's own VLLM_LOGGING_CONFIG_PATH, which each worker process reads at start) and `ray`
-(a link to the Ray session's logs: every worker's stdout and stderr, the trainer's DeepSpeed output included).
+(a link to the latest Ray session's logs, `ray-<session>` one per start: every worker's stdout and stderr, the
+trainer's DeepSpeed output included).
 
 The console gets what a person acts on: `QuietStreamHandler` folds library chatter that repeats per weight into
 one line per burst, with a count (`CHATTER`): vLLM's "Attempted to load weight ... with dtype" notices (one per
@@ -176,22 +177,29 @@ def setup_logging(level: str = "INFO", run_dir: str | os.PathLike[str] | None = 
 
 
 def link_ray_logs(run_dir: str | os.PathLike[str]) -> Path | None:
-    """RUN_DIR/logs/ray -> this Ray session's log directory (worker stdout / stderr), when Ray runs here."""
+    """RUN_DIR/logs/ray-<session> -> this Ray session's log directory (worker stdout / stderr), when Ray runs here,
+    and RUN_DIR/logs/ray -> the latest such link (each start of a resumed run keeps its own). Never raises: a
+    link that cannot be made costs the link, not the run."""
     try:
         import ray
 
         node = ray._private.worker._global_node  # noqa: SLF001 - the session's paths live here
         session_logs = Path(node.get_session_dir_path()) / "logs" if node is not None else None
-    except Exception:  # noqa: BLE001 - a missing link costs nothing but the link
+        if session_logs is None or not session_logs.is_dir():
+            return None
+        logs = Path(run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        own = logs / f"ray-{session_logs.parent.name}"
+        if not own.is_symlink() and not own.exists():
+            own.symlink_to(session_logs, target_is_directory=True)
+        latest = logs / "ray"
+        if latest.is_symlink():
+            latest.unlink()
+        if not latest.exists():  # a copied run directory may hold a real directory here: left as it is
+            latest.symlink_to(own.name, target_is_directory=True)
+        return own
+    except Exception:  # noqa: BLE001
         return None
-    if session_logs is None or not session_logs.is_dir():
-        return None
-    link = Path(run_dir) / "logs" / "ray"
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(session_logs, target_is_directory=True)
-    return link
 
 
 def get_logger(name: str) -> logging.Logger:

@@ -102,3 +102,26 @@ def test_driver_log_keeps_what_the_console_leaves_out(tmp_path, capsys):
     assert "a detail for the file only" in kept and "a line for both" in kept and "library chatter in the driver" in kept
     assert json.loads((tmp_path / "cache" / "startup_times.json").read_text())["k"].keys() == {"one", "two"}
     assert "s left (last start here)" in kept or "s left" in err or again.before  # the second start knows the first
+
+
+def test_ray_logs_link_survives_a_copied_run_directory(tmp_path, monkeypatch):
+    """RUN_DIR/logs/ray-<session> per start and logs/ray to the latest; a run directory copied with its links
+    followed (a real `ray` directory, as shutil.copytree makes) is left as it is and the run goes on. The Ray
+    node here is a stand-in with a session directory (starting Ray costs ~25 s; the real link is made by every
+    `jointrl train`, e.g. tests/rl/test_train_e2e.py)."""
+    import types
+
+    import ray
+
+    from rl.log import link_ray_logs
+
+    session = tmp_path / "session_2026_x"
+    (session / "logs").mkdir(parents=True)
+    monkeypatch.setattr(ray._private.worker, "_global_node", types.SimpleNamespace(get_session_dir_path=lambda: str(session)))
+    run = tmp_path / "run"
+    own = link_ray_logs(run)
+    assert own == run / "logs" / "ray-session_2026_x" and own.resolve() == (session / "logs").resolve()
+    assert (run / "logs" / "ray").resolve() == (session / "logs").resolve()
+    (run / "logs" / "ray").unlink()
+    (run / "logs" / "ray").mkdir()  # what a copy with followed links holds
+    assert link_ray_logs(run) == own and (run / "logs" / "ray").is_dir() and not (run / "logs" / "ray").is_symlink()
