@@ -67,26 +67,6 @@ def with_episode_advantages(batch: TrainBatch, a: AlgorithmSection, values_BT: t
     return batch.with_(**rows), m
 
 
-def with_episode_advantages(batch: TrainBatch, a: AlgorithmSection, values_BT: torch.Tensor | None = None
-                            ) -> tuple[TrainBatch, dict[str, float]]:
-    """`with_advantages` where an episode spans several rows (segments of a compacted history): computed on
-    the per-episode layout (rl/trainer/batch.py: EpisodeView), so each episode has one reward and baseline in
-    its group and token-level estimators run across its segments, then put back on the rows."""
-    from rl.trainer.batch import EpisodeView
-
-    view = EpisodeView.of(batch)
-    if view is None:
-        return with_advantages(batch, a, values_BT)
-    first = view.first_E
-    per_episode = batch.with_(loss_mask_BT=view.to_episodes(batch.loss_mask_BT), rewards_B=batch.rewards_B[first],
-                              group_ids_B=batch.group_ids_B[first], domain_ids_B=batch.domain_ids_B[first])
-    out, m = with_advantages(per_episode, a, None if values_BT is None else view.to_episodes(values_BT))
-    rows = {"advantages_BT": view.to_rows(out.advantages_BT)}
-    if values_BT is not None:
-        rows.update(values_BT=values_BT, returns_BT=view.to_rows(out.returns_BT))
-    return batch.with_(**rows), m
-
-
 def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[RolloutGroup], dict[str, float]]:
     """Drop groups whose samples all got the same reward (no learning signal, per DAPO); report per domain."""
     from rl.algos import zero_variance_groups
