@@ -144,6 +144,14 @@ class HybridMoePreTrainedModel(PreTrainedModel):
         the aux-loss-free bias step reads a second time (rl/trainer/checkpointing.py passes this)."""
         return nullcontext(), _recomputing()
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        """transformers' switch, non-reentrant by default and with `recompute_context` (the expert loads are
+        counted once) unless the caller brings its own `context_fn` or asks for reentrant checkpointing."""
+        ckpt = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        if not ckpt["use_reentrant"]:
+            ckpt.setdefault("context_fn", self.recompute_context)
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range

@@ -56,3 +56,26 @@ def test_peak_rss_follows_an_allocation_and_resets():
     del x
     reset_peak_rss()
     assert grown - before > 0.4 and peak_rss_gb() < grown - 0.3
+
+
+def test_hybrid_moe_checkpointed_by_transformers_counts_expert_load_once():
+    """`gradient_checkpointing_enable` on the HybridMoe (what the bench's bare floor and any HF trainer call):
+    the backward's recompute of each layer does not add its tokens to the expert-load counter again."""
+    import torch
+
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+
+    torch.manual_seed(0)
+    ids = torch.randint(11, 8000, (2, 24))
+    loads = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        m = HybridMoeForCausalLM(load_shipped_config("tiny")).train()
+        if ckpt:
+            m.gradient_checkpointing_enable()
+        m(input_ids=ids).logits.square().mean().backward()
+        loads[ckpt] = m.accumulated_expert_load().clone()
+    cfg = load_shipped_config("tiny")
+    assert float(loads[False].sum()) == ids.numel() * cfg.num_experts_per_tok * len(cfg.moe_layer_indices)
+    assert torch.equal(loads[True], loads[False])
