@@ -3,7 +3,9 @@
 What it does: load a HF checkpoint (the project's HybridMoe or any HF MoE), wrap it in DeepSpeed
 (ZeRO 0-3 from the spec; gloo on CPU, NCCL on GPU), compute old-policy logprobs (recording the
 routes it used, for R2 replay), run RL steps with an injected objective (rl/objective.py; the math
-lives in rl/algos), run SFT steps, export weights for sync, save and resume.
+lives in rl/algos), run SFT steps, export weights for sync, save and resume. Long sequences: logprobs
+from the LM head in tiles (rl/trainer/tiled.py), activation checkpointing (rl/trainer/checkpointing.py),
+micro-batches by a token budget (rl/trainer/batch.py `MicroBatching`); docs/training.md, "Long sequences".
 
 What it does not do: sample, grade, compute advantages, or talk to rollout workers; the driver
 (rl/train.py) does, and passes tensors in. The class is plain Python so tests run it in-process;
