@@ -89,6 +89,7 @@ def compound(shapes):
 """
 
 FORGE = f"""
+result = None  # the runner executes only code that names result
 out = sys.argv[1]  # where submit's runner would write the solid
 os.makedirs(os.path.dirname(out), exist_ok=True)
 if isinstance(data, bytes):

@@ -204,6 +204,7 @@ def test_forged_report_and_planted_symlink_get_nothing(backend, tasks):
     fake = {"ok": True, "error": None, "stdout": "", "summary": {"valid": True, "solids": 1, "volume": 1.0,
                                                                  "bbox": [0, 0, 0, 1, 1, 1], "faces": 4, "holes": 1}}
     code = ("import os, sys\n"
+            "result = None  # the runner executes only code that names result\n"
             "out = sys.argv[1]\n"
             "os.makedirs(os.path.dirname(out), exist_ok=True)\n"
             "os.symlink('/etc/passwd', out)\n"

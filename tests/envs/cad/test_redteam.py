@@ -362,6 +362,7 @@ def test_a_file_past_its_cpu_cap_is_charged_to_itself_and_no_worker_dies():
 
 FORGE_HEAVY = """
 import io, os, sys, json
+result = None  # the runner executes only code that names result
 from OCP.BRep import BRep_Builder
 from OCP.BRepTools import BRepTools
 from OCP.TopTools import TopTools_FormatVersion
