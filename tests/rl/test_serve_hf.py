@@ -115,11 +115,16 @@ def test_a_tool_request_gets_the_hermes_tool_section_and_forced_calls_parse(smol
     (call,) = resp.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
     assert resp.choices[0].finish_reason == "tool_calls" and call.id == "call_2_0"  # the third assistant turn
-    # the call's opening was written by the server (loss mask 0, no logprob), the rest sampled by the model
+    # the call's opening and its closing were written by the server (loss mask 0, no logprob); the arguments
+    # between them sampled by the model under vLLM's JSON-object grammar
     c = rec.choices[0]
     forced = [i for i, m in enumerate(c.loss_mask) if m == 0]
-    assert forced == list(range(len(forced))) and all(c.logprobs[i] is None for i in forced)
-    assert smol.tok.decode([c.completion_token_ids[i] for i in forced]) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert all(c.logprobs[i] is None for i in forced)
+    n_open = next((k for k in range(1, len(forced)) if forced[k] != forced[k - 1] + 1), len(forced))
+    opening, closing = forced[:n_open], forced[n_open:]
+    assert opening == list(range(n_open)) and closing == list(range(len(c.loss_mask) - len(closing), len(c.loss_mask)))
+    assert smol.tok.decode([c.completion_token_ids[i] for i in opening]) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert smol.tok.decode([c.completion_token_ids[i] for i in closing], skip_special_tokens=False) == "}\n</tool_call><|im_end|>"
 
     client = anthropic.Anthropic(base_url=smol.base, api_key="unused", max_retries=0, timeout=180)
     anth_ask = [ask[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "call_9", "name": "get_weather", "input": {"city": "London"}}]},
