@@ -99,12 +99,11 @@ def _case_jointrl(model: str, L: int, setting: str) -> dict:
 
 def _case_bare(model: str, L: int) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from rl.trainer.engine import load_policy  # transformers' Auto classes, with the HybridMoe registered
     from rl.trainer.tiled import head_inputs, tiled_token_logprobs
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    m.config.use_cache = False
+    m = load_policy(model, "float32")
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.train()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
