@@ -250,9 +250,6 @@ class TrainerSection:
     # > 0: micro-batches hold as many rows as fit this many padded tokens (rows x longest row; a longer row runs
     # alone), whatever trainer.micro_batch_size says; 0 = trainer.micro_batch_size rows each.
     max_tokens_per_micro_batch: int = 0
-    # Ulysses sequence parallelism over N trainer ranks: only 1 is accepted (not implemented in jointrl's
-    # trainer; docs/training.md, "Long sequences", says what it needs).
-    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -558,11 +555,6 @@ def validate(cfg: RunConfig) -> None:
                  "eval.temperature": cfg.eval.temperature}.items():
         if v < 0:
             raise ConfigError(f"config key '{k}': value {v} must be >= 0")
-    if cfg.trainer.sequence_parallel_size != 1:
-        raise ConfigError(f"config key 'trainer.sequence_parallel_size': value {cfg.trainer.sequence_parallel_size} is not "
-                          "allowed; allowed values: 1 (Ulysses sequence parallelism is not implemented in jointrl's trainer; "
-                          "for long episodes use trainer.activation_checkpointing, trainer.logprob_tile_tokens and "
-                          "trainer.max_tokens_per_micro_batch, docs/training.md 'Long sequences')")
     if cfg.trainer.sft_data and not Path(cfg.trainer.sft_data).is_file():
         raise ConfigError(f"config key 'trainer.sft_data': {cfg.trainer.sft_data!r} is not a file (a JSONL of "
                           "demonstrations, rl/sft.py; \"\" = the domains' reference solutions)")

@@ -382,10 +382,17 @@ def test_runs_on_rlimits_alone_without_cgroups(caplog):
         assert_no_process(sb.uid)
 
 
-def test_refuses_without_root(monkeypatch):
+def test_without_root_the_backend_is_rootless_or_refuses_with_what_to_change(monkeypatch):
     from envs.sandbox.base import SandboxUnavailable
     from envs.sandbox.bwrap import BwrapBackend
+    from envs.sandbox.rootless import RootlessBwrapBackend
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(SandboxUnavailable, match="needs root"):
-        BwrapBackend()
+    try:
+        backend = BwrapBackend()
+    except SandboxUnavailable as e:  # no user namespaces here: the refusal says what to change
+        assert "not root" in str(e) and "refusing to run commands unsandboxed" in str(e)
+    else:
+        assert isinstance(backend, RootlessBwrapBackend)
+    with pytest.raises(SandboxUnavailable, match="needs root"):  # the root backend itself never runs without root
+        object.__new__(BwrapBackend).__init__()

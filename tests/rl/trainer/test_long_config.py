@@ -15,14 +15,14 @@ def test_long_sequence_keys():
                              "trainer.max_tokens_per_micro_batch=32768"])
     t = cfg.trainer
     assert (t.logprob_tile_tokens, t.activation_checkpointing, t.max_tokens_per_micro_batch) == (2048, "on", 32768)
-    assert load_config().trainer.activation_checkpointing == "auto" and load_config().trainer.sequence_parallel_size == 1
+    assert load_config().trainer.activation_checkpointing == "auto"
     with pytest.raises(ConfigError, match="'trainer.activation_checkpointing'.*'off', 'on', 'auto'"):
         load_config(None, ["trainer.activation_checkpointing=sometimes"])
     with pytest.raises(ConfigError, match="'trainer.logprob_tile_tokens': value -1 must be >= 0"):
         load_config(None, ["trainer.logprob_tile_tokens=-1"])
     with pytest.raises(ConfigError, match="'trainer.max_tokens_per_micro_batch': value -5 must be >= 0"):
         load_config(None, ["trainer.max_tokens_per_micro_batch=-5"])
-    with pytest.raises(ConfigError, match="'trainer.sequence_parallel_size': value 2 is not allowed; allowed values: 1"):
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel_size"):  # not built: an unknown key, not a dead one
         load_config(None, ["trainer.sequence_parallel_size=2"])
 
 
