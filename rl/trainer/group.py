@@ -228,7 +228,7 @@ class TrainerGroup:
         where = (f" (pid {proc.pid} on {proc.node}; its log: {proc.log or 'in the Ray session log folder'})"
                  if proc else "")
         who = f"trainer rank {rank}" if rank >= 0 else "a trainer rank"
-        return f"{who} died{where}: {type(err).__name__}: {why}"
+        return f"{who} was lost{where}: {type(err).__name__}: {why}"
 
     def _each(self, method: str, *args) -> list[Any]:
         return self._get([getattr(w, method).remote(*args) for w in self.workers])
