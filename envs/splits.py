@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def variant_key(family_name: str, variant: tuple) -> str:
@@ -23,3 +25,11 @@ def split_by_hash(family_name: str, variants: Sequence[tuple], heldout_fraction:
     ranked = sorted(variants, key=lambda v: hashlib.sha256(variant_key(family_name, v).encode()).hexdigest())
     n_held = max(1, round(heldout_fraction * len(variants)))
     return {"heldout": list(ranked[:n_held]), "train": list(ranked[n_held:])}
+
+
+def tasks_of_split(make_task: Callable[[str, int, int], T], default_n: Mapping[str, int], split: str, seed: int = 0,
+                   n: int | None = None) -> list[T]:
+    """`make_task(split, seed, i)` for i < n (default: the split's size in `default_n`); an unknown split is an error."""
+    if split not in default_n:
+        raise ValueError(f"unknown split {split!r}; splits are: {', '.join(default_n)}")
+    return [make_task(split, seed, i) for i in range(default_n[split] if n is None else n)]

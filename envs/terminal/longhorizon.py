@@ -22,7 +22,7 @@ from itertools import product
 from typing import Any, Mapping
 
 from envs.base import Domain, ToolEnv, ToolInvocation
-from envs.splits import split_by_hash, variant_key
+from envs.splits import split_by_hash, tasks_of_split, variant_key
 from envs.terminal.basics import NAMES
 from envs.tools import tool
 from jointrl.records import Limits, Message, Task
@@ -94,9 +94,7 @@ def make_task(split: str, seed: int, index: int) -> Task:
 
 
 def make_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
-    if split not in DEFAULT_N:
-        raise ValueError(f"unknown split {split!r}; splits are: {', '.join(DEFAULT_N)}")
-    return [make_task(split, seed, i) for i in range(DEFAULT_N[split] if n is None else n)]
+    return tasks_of_split(make_task, DEFAULT_N, split, seed, n)
 
 
 class LogTrailDomain(Domain):

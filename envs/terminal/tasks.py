@@ -13,7 +13,7 @@ import random
 
 from envs.terminal.basics import BASIC_FAMILIES
 from envs.terminal.families import FAMILIES, Family, Instance
-from envs.splits import split_by_hash
+from envs.splits import split_by_hash, tasks_of_split
 from envs.splits import variant_key as _variant_key
 from jointrl.records import Limits, Message, Task
 
@@ -74,9 +74,7 @@ def make_task(split: str, seed: int, index: int, *, env_id: str = ENV_ID) -> Tas
 
 
 def make_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
-    if split not in DEFAULT_N:
-        raise ValueError(f"unknown split {split!r}; splits are: {', '.join(DEFAULT_N)}")
-    return [make_task(split, seed, i) for i in range(DEFAULT_N[split] if n is None else n)]
+    return tasks_of_split(make_task, DEFAULT_N, split, seed, n)
 
 
 def make_basics_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
