@@ -379,23 +379,7 @@ class BwrapSandbox(Sandbox):
     def __init__(self, backend: BwrapBackend, slot: hostctl.Slot, limits: SandboxLimits,
                  binds: list[tuple[str, str]], *, agent_inside: str | None, pristine: bool,
                  usr: UsrView | None = None) -> None:
-        self.backend = backend
-        self.config = backend.config
-        self.limits = limits
-        self.uid = slot.uid
-        self.pristine = pristine
-        self._slot = slot
-        self._binds = binds
-        self._usr = usr
-        self._agent_inside = agent_inside
-        self._lock = threading.Lock()
-        self._sig_lock = threading.Lock()
-        self._closed = False
-        self._proc: subprocess.Popen | None = None
-        self._pidfd: int | None = None
-        self._ctl: socket.socket | None = None
-        self.restarts = 0  # namespaces started after the first (timeouts, killed executor)
-        self.agent_copy: CopyReport | None = None  # pristine sandboxes: what was copied to /agent
+        self._set_state(backend, slot, limits, binds, agent_inside=agent_inside, pristine=pristine, usr=usr)
 
         backend._sweep_slot(self.uid)  # whatever a crashed previous owner of this uid left behind
         self.slot_dir = self.config.state_dir / f"slot-{self.uid}"
@@ -431,6 +415,28 @@ class BwrapSandbox(Sandbox):
             elif not backend._warned_cgroup:
                 backend._warned_cgroup = True
                 log.warning("cgroups not usable (%s): sandboxes are limited by rlimits only", cg.why)
+
+    def _set_state(self, backend: BwrapBackend, slot: hostctl.Slot, limits: SandboxLimits,
+                   binds: list[tuple[str, str]], *, agent_inside: str | None, pristine: bool,
+                   usr: UsrView | None) -> None:
+        """The sandbox's own fields (no host work): shared with the rootless sandbox, whose set-up differs."""
+        self.backend = backend
+        self.config = backend.config
+        self.limits = limits
+        self.uid = slot.uid  # rootless: the uid inside the namespace (a slot number, not a host identity)
+        self.pristine = pristine
+        self._slot = slot
+        self._binds = binds
+        self._usr = usr
+        self._agent_inside = agent_inside
+        self._lock = threading.Lock()
+        self._sig_lock = threading.Lock()
+        self._closed = False
+        self._proc: subprocess.Popen | None = None
+        self._pidfd: int | None = None
+        self._ctl: socket.socket | None = None
+        self.restarts = 0  # namespaces started after the first (timeouts, killed executor)
+        self.agent_copy: CopyReport | None = None  # pristine sandboxes: what was copied to /agent
 
     @property
     def cgroup_ok(self) -> bool:

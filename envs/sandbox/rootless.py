@@ -79,25 +79,7 @@ class RootlessBwrapSandbox(BwrapSandbox):
 
     def __init__(self, backend: "RootlessBwrapBackend", slot: hostctl.Slot, limits, binds, *, agent_inside, pristine,
                  usr=None) -> None:
-        import threading
-
-        self.backend = backend
-        self.config = backend.config
-        self.limits = limits
-        self.uid = slot.uid  # the uid inside the namespace (mapped to this user): a slot number, not a host identity
-        self.pristine = pristine
-        self._slot = slot
-        self._binds = binds
-        self._usr = usr
-        self._agent_inside = agent_inside
-        self._lock = threading.Lock()
-        self._sig_lock = threading.Lock()
-        self._closed = False
-        self._proc = None
-        self._pidfd = None
-        self._ctl = None
-        self.restarts = 0
-        self.agent_copy = None
+        self._set_state(backend, slot, limits, binds, agent_inside=agent_inside, pristine=pristine, usr=usr)
         self.slot_dir = self.config.state_dir / f"slot-{slot.uid}"
         shutil.rmtree(self.slot_dir, ignore_errors=True)  # a crashed owner's leftovers (its processes died with it)
         self.slot_dir.mkdir(mode=0o700)
