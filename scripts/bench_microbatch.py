@@ -63,7 +63,8 @@ def _arm(name: str, model_dir: str, args, out) -> None:
 
     torch.set_num_threads(args.threads)
     if name == ARMS[0]:  # the former micro-batching: consecutive rows, every micro-batch as wide as the step
-        batch_mod.micro_rows = lambda b, size: [list(range(s, min(s + size, b.num_seqs))) for s in range(0, b.num_seqs, size)]
+        batch_mod.micro_rows = lambda b, size: [list(range(s, min(s + batch_mod._plan(size).rows, b.num_seqs)))
+                                                for s in range(0, b.num_seqs, batch_mod._plan(size).rows)]
         batch_mod.TrainBatch.narrowed = lambda self: self
     tr = PolicyTrainer(model_dir, TrainerSpec(zero_stage=1, lr=1e-6, micro_batch_size=args.micro_batch, frozen_layers=args.frozen_layers),
                        RLObjective(router_aux_coef=0.001))
