@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Mapping
 
 from rl.config import ConfigError
+from rl.rollout.tiers import TIERS  # noqa: F401 - re-exported for rl/jobs/cli.py
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled")
 FINAL_STATUSES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 SPLITS: tuple[str, ...] = ("train", "heldout")
-TIERS: tuple[str, ...] = ("low", "high", "max")
 MAX_MODEL_LEN = 2048  # the policy engine's context, and the agent loop's (the shipped tiny/small models' default)
 MAX_INDEX = 2**31 - 1  # no split is this large; bounds what the database stores and compares
 MAX_ENV_ID_CHARS = 200

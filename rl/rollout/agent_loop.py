@@ -50,6 +50,7 @@ from rl.rollout.engine import GenerateRequest
 from rl.rollout.multimodal import EpisodeImages, ImageSettings
 from rl.rollout.seeds import derive_seed, episode_seed, rollout_seed, turn_seed  # noqa: F401 - re-exported
 from rl.rollout.segments import SegmentBuilder, StepBudget
+from rl.rollout.tiers import tier_budget
 from rl.types import Episode, Segment
 
 log = get_logger("agent_loop")
@@ -101,16 +102,11 @@ def _defuse(m: Message, specials: Sequence[str]) -> Message:
     return replace(m, content=text)
 
 
-def _thinking_budget(settings: LoopSettings, tier: str) -> int | None:
-    b = settings.thinking_budgets.get(tier, -1)
-    return None if b is None or b < 0 else int(b)
-
-
 def _generation_caps(codec: ChatCodec, settings: LoopSettings, tier: str, room: int) -> tuple[int, int | None]:
     """(max_tokens, thinking_budget) of one request. A format with a thinking block gets the tier's budget
     as vLLM's thinking budget; one without (reasoning_markers None) gets it as a cap on the turn's tokens."""
     cap = min(settings.max_new_tokens_per_turn, room - 1)
-    budget = _thinking_budget(settings, tier)
+    budget = tier_budget(tier, settings.thinking_budgets)
     if codec.reasoning_markers is None:
         return (cap if budget is None else max(1, min(cap, budget))), None
     return cap, budget

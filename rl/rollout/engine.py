@@ -209,14 +209,6 @@ class WeightUpdateStats:
     policy_version: int
 
 
-def thinking_budget_for_tier(tier: str, budgets: Mapping[str, int]) -> int | None:
-    """Map a tier (`low`/`high`/`max`) to a token budget; a negative budget (config: -1) means no cap."""
-    if tier not in budgets:
-        raise EngineError(f"thinking tier {tier!r} has no budget; configured tiers: {sorted(budgets)}")
-    n = budgets[tier]
-    return None if n < 0 else int(n)
-
-
 class RolloutEngine:
     """An in-process vLLM engine with typed generate / score / update_weights."""
 

@@ -40,7 +40,7 @@ from rl.serve.codec import ServeCodec, build_codec
 from rl.serve.core import MAX_JSON_DEPTH, ApiError, bad, check_body_tree
 from rl.serve.records import Recorder
 from rl.serve.service import ChatService, Prepared
-from rl.serve.settings import ServeArgs, ServeError, ServeSettings, check_api_key
+from rl.serve.settings import EFFORTS, TIERS, ServeArgs, ServeError, ServeSettings, check_api_key
 
 log = get_logger("serve")
 
@@ -58,8 +58,8 @@ CHAT_BODY_SCHEMA = {
             "tool_calls": {"type": "array", "items": {"type": "object"}}, "tool_call_id": {"type": "string"},
             "reasoning_content": {"type": ["string", "null"]}}}},
         "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
-        "thinking_budget": {"anyOf": [{"type": "string", "enum": ["minimal", "low", "medium", "high", "max"]}, {"type": "integer"}]},
-        "reasoning_effort": {"type": "string", "enum": ["minimal", "low", "medium", "high", "max"]}, "extra_body": {"type": "object"},
+        "thinking_budget": {"anyOf": [{"type": "string", "enum": list(EFFORTS)}, {"type": "integer"}]},
+        "reasoning_effort": {"type": "string", "enum": list(EFFORTS)}, "extra_body": {"type": "object"},
         "top_logprobs": {"type": "integer"},
         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}, "temperature": {"type": "number"},
         "top_p": {"type": "number"}, "seed": {"type": "integer"}, "n": {"type": "integer"}, "stop": {},
@@ -78,7 +78,7 @@ MESSAGES_BODY_SCHEMA = {
         "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {"type": "object"},
         "thinking": {"type": "object", "properties": {"type": {"type": "string", "enum": ["enabled", "disabled", "adaptive"]},
                                                       "budget_tokens": {"type": "integer"}}},
-        "thinking_budget": {"anyOf": [{"type": "string", "enum": ["low", "high", "max"]}, {"type": "integer"}]},
+        "thinking_budget": {"anyOf": [{"type": "string", "enum": list(TIERS)}, {"type": "integer"}]},
         "stop_sequences": {"type": "array", "items": {"type": "string"}}, "temperature": {"type": "number"},
         "top_p": {"type": "number"}, "stream": {"type": "boolean"}, "metadata": {"type": "object"},
     },
@@ -93,7 +93,7 @@ RESPONSES_BODY_SCHEMA = {
             "role": {"type": "string", "enum": ["user", "system", "developer", "assistant"]}, "content": _MSG_CONTENT,
             "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"}, "output": {"type": "string"}}}}]},
         "instructions": {"type": "string"}, "tools": {"type": "array", "items": {"type": "object"}}, "tool_choice": {},
-        "reasoning": {"type": "object", "properties": {"effort": {"type": "string", "enum": ["minimal", "low", "medium", "high", "max"]}}},
+        "reasoning": {"type": "object", "properties": {"effort": {"type": "string", "enum": list(EFFORTS)}}},
         "max_output_tokens": {"type": "integer"}, "temperature": {"type": "number"}, "top_p": {"type": "number"},
         "stream": {"type": "boolean"}, "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
         "include": {"type": "array", "items": {"type": "string"}}, "metadata": {"type": "object"},

@@ -11,10 +11,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping
 
+from jointrl.records import ThinkingTier as Tier
 from rl.config import ModelSection, RolloutSection
-
-Tier = Literal["low", "high", "max"]
-TIERS: tuple[str, ...] = ("low", "high", "max")
+from rl.rollout.tiers import TIERS, tier_budget
 # Effort names a request may send (`reasoning_effort`, `thinking_budget`, Responses `reasoning.effort`) -> tier.
 # OpenAI's four efforts fold onto the three tiers: minimal and low are `low`; medium (OpenAI's default) and
 # high are `high`, this server's default tier; `max` (the project's own) has no cap.
@@ -95,8 +94,7 @@ class ServeSettings:
                     raise ServeError(f"{flag}: {problem}")
 
     def tier_budget(self, tier: str) -> int | None:
-        n = int(self.thinking_budgets[tier])
-        return None if n < 0 else n
+        return tier_budget(tier, self.thinking_budgets)
 
 
 def _help(name: str) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl.rollout.engine import EngineConfig, EngineError, GenerateRequest, RolloutEngine, thinking_budget_for_tier
+from rl.rollout.engine import EngineConfig, EngineError, GenerateRequest, RolloutEngine
 from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
 from tests.helpers.reference import ReferenceJob, run_reference
 from rl.weights import make_buckets, to_checkpoint_format, unpack_bucket
@@ -123,14 +123,6 @@ def test_thinking_budget_does_nothing_outside_thinking(engine):
     capped = engine.generate([GenerateRequest(prompt_token_ids=p, max_tokens=10, temperature=0.0, thinking_budget=2)
                               for p in list(PROMPTS[:2]) + closed])
     assert [c.token_ids for c in capped] == free
-
-
-def test_tiers_map_to_budgets():
-    budgets = {"low": 64, "high": 256, "max": -1}
-    assert thinking_budget_for_tier("low", budgets) == 64
-    assert thinking_budget_for_tier("max", budgets) is None
-    with pytest.raises(EngineError, match="medium"):
-        thinking_budget_for_tier("medium", budgets)
 
 
 def test_routed_experts_on_cpu_are_none_with_a_stated_reason(engine, ckpt):
