@@ -3,15 +3,17 @@
 A group whose G samples all got the same reward has zero advantage under every group-baseline
 estimator (grpo, dr_grpo, rloo): it costs a forward/backward and teaches nothing, and it shrinks the
 effective batch. DAPO filters such groups and over-samples until the batch is full of informative
-groups. This module finds them (`zero_variance_groups`) and sizes the over-sampling
-(`groups_to_sample`); the driver decides whether to filter or re-sample.
+groups. This module finds them: `zero_variance_groups` over a flat batch, `group_signal` over rollout
+groups given as reward lists (the one rule the training loop and the domain sampler use); it sizes the
+over-sampling (`groups_to_sample`); the driver decides whether to filter or re-sample.
 Metrics include the zero-variance fraction per domain: a domain that is all-solved or all-failed shows
 up here first (and is what adaptive domain weights react to).
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -63,6 +65,45 @@ def zero_variance_groups(
             metrics[f"dynsample/zero_var_group_frac/{label}"] = float(zero_var_G[in_d].float().mean())
             metrics[f"dynsample/num_groups/{label}"] = float(in_d.sum())
     return keep_B, metrics
+
+
+@dataclass(frozen=True)
+class GroupSignal:
+    """Which rollout groups carry a learning signal, and each label's fraction of groups that do not."""
+
+    has_signal_G: tuple[bool, ...]  # per group, in input order: its rewards differ by more than atol
+    zero_var_frac: Mapping[str, float]  # per label (a domain, or whatever unit the caller groups by), labels sorted
+
+    def metrics(self, prefix: str = "rollout/zero_var_frac") -> dict[str, float]:
+        """`{prefix}/{label}` -> zero-variance fraction: the per-domain keys the training loop logs."""
+        return {f"{prefix}/{label}": frac for label, frac in self.zero_var_frac.items()}
+
+
+def group_signal(rewards_G: Sequence[Sequence[float]], labels_G: Sequence[str], *, atol: float = 0.0) -> GroupSignal:
+    """The zero-variance rule of `zero_variance_groups` over rollout groups given as reward lists.
+
+    `rewards_G[g]` holds group g's rewards (one per sample, at least one), `labels_G[g]` its domain (or
+    unit). Rewards are compared as float32, the dtype the trainer's batch holds them in.
+    """
+    if len(rewards_G) != len(labels_G):
+        raise ValueError(f"{len(rewards_G)} reward groups but {len(labels_G)} labels")
+    sizes_G = [len(r) for r in rewards_G]
+    if 0 in sizes_G:
+        raise ValueError(f"group {sizes_G.index(0)} has no rewards")
+    if not rewards_G:
+        return GroupSignal((), {})
+    labels = sorted(set(labels_G))
+    sizes = torch.tensor(sizes_G)
+    rewards_B = torch.tensor([float(x) for r in rewards_G for x in r], dtype=torch.float32)
+    group_ids_B = torch.repeat_interleave(torch.arange(len(rewards_G)), sizes)
+    label_ids_B = torch.repeat_interleave(torch.tensor([labels.index(x) for x in labels_G]), sizes)
+    keep_B, _ = zero_variance_groups(rewards_B, group_ids_B, label_ids_B, atol=atol)
+    has_signal_G = tuple(bool(k) for k in keep_B[torch.cumsum(sizes, 0) - sizes].tolist())
+    frac = {}
+    for label in labels:
+        mine = [h for h, x in zip(has_signal_G, labels_G) if x == label]
+        frac[label] = sum(not h for h in mine) / len(mine)
+    return GroupSignal(has_signal_G, frac)
 
 
 def groups_to_sample(num_needed: int, kept_group_frac: float, *, max_factor: float = 3.0) -> int:

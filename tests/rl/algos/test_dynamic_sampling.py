@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.rl.algos.algos_refs import random_batch
-from rl.algos.dynamic_sampling import groups_to_sample, zero_variance_groups
+from rl.algos.dynamic_sampling import group_signal, groups_to_sample, zero_variance_groups
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -45,3 +45,32 @@ def test_groups_to_sample():
     assert groups_to_sample(10, 0.3, max_factor=10) == 34
     with pytest.raises(ValueError, match="kept_group_frac=1.5"):
         groups_to_sample(8, 1.5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_group_signal_matches_a_loop_over_groups(seed):
+    g = torch.Generator().manual_seed(seed)
+    labels = ["swe", "terminal", "cad"]
+    rewards_G, labels_G = [], []
+    for i in range(12):
+        n = int(torch.randint(1, 5, (1,), generator=g))
+        same = bool(torch.rand(1, generator=g) < 0.4)
+        r = [0.5] * n if same else [round(float(x), 2) for x in torch.rand(n, generator=g)]
+        rewards_G.append(r)
+        labels_G.append(labels[i % 3])
+    sig = group_signal(rewards_G, labels_G)
+    want_signal = tuple(max(r) != min(r) for r in rewards_G)  # from the rule: any two rewards differ
+    assert sig.has_signal_G == want_signal
+    want = {d: sum(not s for s, x in zip(want_signal, labels_G) if x == d) / labels_G.count(d) for d in sorted(labels)}
+    assert sig.zero_var_frac == pytest.approx(want) and list(sig.zero_var_frac) == sorted(labels)
+    assert sig.metrics() == {f"rollout/zero_var_frac/{d}": f for d, f in sig.zero_var_frac.items()}
+    assert any(want_signal) and not all(want_signal)
+
+
+def test_group_signal_edges():
+    assert group_signal([], []).has_signal_G == () and group_signal([], []).metrics() == {}
+    assert group_signal([[1.0, 1.0 + 1e-9]], ["a"], atol=1e-6).has_signal_G == (False,)
+    with pytest.raises(ValueError, match="group 1 has no rewards"):
+        group_signal([[1.0], []], ["a", "a"])
+    with pytest.raises(ValueError, match="2 reward groups but 1 labels"):
+        group_signal([[1.0], [0.0]], ["a"])
