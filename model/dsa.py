@@ -247,12 +247,16 @@ class GatedIndexedAttention(nn.Module):
         outs, loss_sum, n_valid = [], None, 0
         for t0 in range(0, T, self.query_block):
             t1 = min(T, t0 + self.query_block)
-            vis = visible_mask(T, S, key_padding_BS, hidden_BTD.device, rows=(t0, t1))
+            # Causal: the block's queries see keys up to S - T + t1 only; the later keys are masked for every one
+            # of them, so they are left out (the scores, selection and attention of the first blocks shrink).
+            s1 = S - T + t1
+            vis = visible_mask(T, S, key_padding_BS, hidden_BTD.device, rows=(t0, t1))[..., :s1]
             valid = vis.any(-1).expand(B, t1 - t0)
             if key_padding_BS is not None:
                 valid = valid & key_padding_BS[:, S - T + t0:S - T + t1].bool()
-            args = (q_BHTD[:, :, t0:t1], k_BHSD, v_BHSD, vis, valid,
-                    None if qI is None else qI[:, t0:t1], kI, None if wI is None else wI[:, t0:t1])
+            args = (q_BHTD[:, :, t0:t1], k_BHSD[:, :, :s1], v_BHSD[:, :, :s1], vis, valid,
+                    None if qI is None else qI[:, t0:t1], None if kI is None else kI[:, :s1],
+                    None if wI is None else wI[:, t0:t1])
             fn = lambda *a: self._attend_block(*a, sparse=sparse, compute_indexer_loss=compute_indexer_loss)  # noqa: E731
             out, block_loss = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
             outs.append(out)
