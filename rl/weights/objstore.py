@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from jointrl.digest import sha256_file
+
 MANIFEST = "manifest.json"
 FORMAT = "jointrl-shards-v1"
 CHUNK_BYTES = 8 << 20
@@ -89,14 +91,6 @@ def _fs(url: str) -> tuple[Any, str]:
         opts["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
     fs, path = fsspec.core.url_to_fs(url, **opts)
     return fs, path.rstrip("/")
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _manifest_of(local_dir: Path) -> Manifest:
