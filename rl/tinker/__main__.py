@@ -1,0 +1,6 @@
+"""`python -m rl.tinker serve MODEL ...`: the same as `jointrl tinker serve`."""
+import sys
+
+from rl.tinker.app import main
+
+sys.exit(main())
