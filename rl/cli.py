@@ -46,7 +46,7 @@ def _choice(args: argparse.Namespace) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jointrl", description="Joint multi-domain RL post-training for sparse MoE LLMs.")
-    sub = parser.add_subparsers(dest="cmd", metavar="{train,eval,serve,envs,export,models,jobs,report}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{train,eval,serve,tinker,envs,export,models,jobs,report}")
 
     p = sub.add_parser("train", help="run SFT warm-start + RL from a YAML config (Ray started in-process unless RAY_ADDRESS is set)",
                        description="Train from CONFIG (required; '-' for the built-in defaults). A run directory that already "
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", default=None, help="file:// / s3:// / gs:// URL: sharded safetensors + manifest (rl/weights/objstore.py)")
     p.add_argument("--shards", type=int, default=8, help="with --to and without --mxfp4: number of safetensors shards")
 
+    p = sub.add_parser("tinker", help="a Tinker-compatible training service: serve MODEL (docs/tinker.md)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the tinker subcommand and its arguments (`jointrl tinker --help`)")
+
     p = sub.add_parser("jobs", help="agent jobs: serve MODEL | submit | status | watch | cancel", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the jobs subcommand and its arguments (`jointrl jobs --help`)")
 
@@ -107,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv[:1] == ["envs"]:  # the envs module owns its sub-subcommands and their --help
         return _call("envs.cli", "main", "the environment CLI", argv[1:])
+    if argv[:1] == ["tinker"]:  # the Tinker service owns its sub-subcommands and their --help
+        return _call("rl.tinker.app", "main", "the Tinker service", argv[1:])
     if argv[:1] == ["jobs"]:  # the jobs module owns its sub-subcommands and their --help
         return _call("rl.jobs.cli", "main", "the jobs service", argv[1:])
     args = parser.parse_args(argv)
