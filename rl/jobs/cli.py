@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="{serve,submit,status,watch,cancel}")
 
     s = sub.add_parser("serve", help="start the jobs API, the broker and database if none run, the policy and N agent workers")
-    s.add_argument("model", help="checkpoint dir, a file:// / s3:// URL of an exported one, or a shipped config name (tiny: random weights)")
+    s.add_argument("model", help="checkpoint dir, a file:// / s3:// URL of an exported one, a pullable model (`jointrl models list`), or a shipped config name (tiny: random weights)")
     s.add_argument("--port", type=int, default=8100)
     s.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs an API key")
     s.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -102,9 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"jointrl jobs: config error: {e}", file=sys.stderr)
             return 2
         from rl.jobs.server import serve
-        from rl.weights.objstore import resolve_model
+        from rl.model_arg import ModelArgError, resolve_model
 
-        model = args.model if cfg.policy_url else str(resolve_model(args.model))
+        try:  # the policy server (local, or at policy_url) loads the model; a local one needs its directory here
+            model = args.model if cfg.policy_url else str(resolve_model(args.model).checkpoint())
+        except ModelArgError as e:
+            print(f"jointrl jobs: {e}", file=sys.stderr)
+            return 2
         try:
             return serve(model, args.port, cfg, host=args.host, api_keys=keys)
         except ConfigError as e:

@@ -243,7 +243,7 @@ def wait_healthy(url: str, timeout_s: float, proc: Any = None, api_key: str | No
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rl.jobs.policy", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="checkpoint directory, or a file:// / s3:// URL of an exported one (pulled first)")
+    p.add_argument("model", help="a model argument as `jointrl jobs serve` takes it (rl/model_arg.py): checkpoint dir, URL, pullable or shipped name")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
     from rl.http_run import run_until_stopped
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rl.jobs.records import MAX_MODEL_LEN
     from rl.log import setup_logging
     from rl.rollout.engine import EngineConfig, RolloutEngine
-    from rl.weights.objstore import resolve_model
+    from rl.model_arg import ModelArgError, resolve_model
 
     setup_logging()
     try:
@@ -259,7 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rl.jobs.policy: config error: {e}", file=sys.stderr)
         return 2
-    model_path = str(resolve_model(args.model))
+    try:
+        model_path = str(resolve_model(args.model).checkpoint())
+    except ModelArgError as e:
+        print(f"rl.jobs.policy: {e}", file=sys.stderr)
+        return 2
     limits = policy_limits(model_path, MAX_MODEL_LEN)
     engine = RolloutEngine(EngineConfig(model_path=model_path, max_model_len=MAX_MODEL_LEN, dtype="auto"))
     try:

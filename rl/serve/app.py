@@ -13,9 +13,8 @@ What it does
   a full admission queue gets 429 with `Retry-After`.
 - A client that disconnects (streamed or not) cancels its request: the engine request is aborted
   at once (`rl.serve.service.ChatService.run`).
-- `prepare_model` / `build_service` / `main`: resolve the model argument (a pullable name through train's
-  resolver, `pullable_checkpoint`), pick the chat codec the way
-  training does (rl/serve/codec.py), build the engine, serve.
+- `prepare_model` / `build_service` / `main`: resolve the model argument (rl/model_arg.py, the resolver
+  `jointrl train`, `eval` and `jobs` use too), pick the chat codec the way training does (rl/serve/codec.py), build the engine, serve.
 
 What it does not do
 - No TLS (put a proxy in front), no per-key quotas.
@@ -352,27 +351,16 @@ class PreparedModel:
 
 
 def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
-    """Resolve the `MODEL_OR_CKPT` argument to a checkpoint directory vLLM can load."""
-    from model.shipped import SHIPPED_CONFIGS, build_random_checkpoint
+    """Resolve the `MODEL_OR_CKPT` argument (rl/model_arg.py, as `jointrl train` reads `model.arch`) to a
+    checkpoint directory vLLM can load; a shipped config gets random weights of `settings.seed` in the cache."""
+    from rl.model_arg import ModelArgError, resolve_model
 
-    if model_or_ckpt in SHIPPED_CONFIGS and not Path(model_or_ckpt).is_dir():
-        from jointrl.paths import cache_root
-
-        root = Path(settings.cache_dir) if settings.cache_dir else cache_root() / "serve"
-        path = build_random_checkpoint(model_or_ckpt, root / f"{model_or_ckpt}-seed{settings.seed}", settings.seed)
-        name = model_or_ckpt
-    else:
-        path = Path(model_or_ckpt)
-        name = path.resolve().name
-        if not path.is_dir():
-            pulled = pullable_checkpoint(model_or_ckpt)
-            if pulled is not None:
-                path, name = pulled, model_or_ckpt
-        if not (path / "config.json").is_file():
-            from model import hub
-
-            raise ServeError(f"{model_or_ckpt!r} is neither a shipped model config {SHIPPED_CONFIGS}, a pullable model {list(hub.names())} "
-                             "(`jointrl models list`) nor a checkpoint directory with config.json")
+    try:
+        arg = resolve_model(model_or_ckpt)
+        path = arg.checkpoint(settings.seed, settings.cache_dir)
+    except ModelArgError as e:
+        raise ServeError(str(e)) from None
+    name = arg.name
     cfg = json.loads((path / "config.json").read_text())
     is_hybrid = cfg.get("model_type") == "hybrid_moe" or "HybridMoeForCausalLM" in (cfg.get("architectures") or [])
     has_delta = "linear_attention" in (cfg.get("layer_types") or [])
@@ -380,24 +368,6 @@ def prepare_model(model_or_ckpt: str, settings: ServeSettings) -> PreparedModel:
     if dtype == "auto":
         dtype = "bfloat16" if has_delta else "float32"  # vLLM's CPU delta-rule kernel requires bf16 (docs/platform.md)
     return PreparedModel(path=path, served_names=tuple(dict.fromkeys(settings.served_names)) or (name,), dtype=dtype, is_hybrid=is_hybrid)
-
-
-def pullable_checkpoint(name: str) -> Path | None:
-    """A pullable model's name (`jointrl models list`) -> its checkpoint directory, pulled on first use, by the
-    resolver `jointrl train` runs on `model.arch` (rl.config.resolve_pullable); None for any other name."""
-    import dataclasses
-
-    from model import hub
-    from rl.config import ConfigError, RunConfig, resolve_pullable
-
-    if name not in hub.names():
-        return None
-    cfg = RunConfig()
-    try:
-        resolved = resolve_pullable(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=name, reference=name)))
-    except ConfigError as e:
-        raise ServeError(str(e).replace("config key 'model.arch'", "MODEL")) from None
-    return Path(resolved.model.arch)
 
 
 def engine_config(prepared: PreparedModel, settings: ServeSettings, codec: ServeCodec) -> Any:

@@ -120,7 +120,7 @@ def _budgets(text: str) -> dict[str, int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `serve` flags: the model, where to listen, recording, the API key, and one flag per ServeSettings field."""
-    p.add_argument("model", help="checkpoint dir, or a shipped model config name (e.g. tiny: random weights)")
+    p.add_argument("model", help="checkpoint dir (or a run's, with hf/), a pullable model (`jointrl models list`), a file:// / s3:// URL of exported weights, or a shipped model config name (e.g. tiny: random weights)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs an API key")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--record-dir", default=None, help="record every request/response as token episodes here")

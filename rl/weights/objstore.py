@@ -21,7 +21,6 @@ What this module does not do: quantize (model/mxfp4_export.py) or start engines.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -223,25 +222,6 @@ def pull(url: str, dest: str | Path, parallel: int = 8, chunk_bytes: int = CHUNK
     (dest / MANIFEST).write_text(manifest.to_json())
     return PullStats(files=len(manifest.files), downloaded=sum(r[0] for r in results), resumed=sum(r[1] for r in results),
                      bytes=sum(r[2] for r in results), seconds=time.perf_counter() - t0)
-
-
-def resolve_model(model: str, parallel: int = 8) -> Path:
-    """A local checkpoint directory for `model`: a URL is pulled into the cache, a shipped config name is built
-    with random weights (seed 0), a directory is returned as it is."""
-    from jointrl.paths import cache_root
-
-    if "://" in model:
-        dest = cache_root() / "weights" / hashlib.sha256(model.encode()).hexdigest()[:16]
-        pull(model, dest, parallel=parallel)
-        return dest
-    p = Path(model)
-    if (p / "config.json").exists():
-        return p
-    from model.shipped import SHIPPED_CONFIGS, build_random_checkpoint
-
-    if model in SHIPPED_CONFIGS:
-        return build_random_checkpoint(model, cache_root() / "serve" / f"{model}-seed0", 0)
-    raise ObjStoreError(f"model {model!r} is neither a URL, a checkpoint directory with config.json, nor a shipped config {SHIPPED_CONFIGS}")
 
 
 def main_export_cli(args: Any) -> int:

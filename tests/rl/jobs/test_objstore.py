@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.weights.objstore import (MANIFEST, ObjStoreError, ShardChecksumError, _fs, export_sharded, pull, read_manifest,
-                                 resolve_model, sha256_file)
+from jointrl.digest import sha256_file
+from rl.model_arg import resolve_model
+from rl.weights.objstore import MANIFEST, ObjStoreError, ShardChecksumError, _fs, export_sharded, pull, read_manifest
 
 
 def _state(d) -> dict[str, torch.Tensor]:
@@ -86,7 +87,7 @@ def test_engine_from_s3_pull_scores_like_one_from_local_disk(tiny_ckpt, tmp_path
 
     url = "s3://jointrl/tiny-engine"
     export_sharded(tiny_ckpt, url, num_shards=8)
-    pulled = resolve_model(url)
+    pulled = resolve_model(url).path
     assert len(list(pulled.glob("*.safetensors"))) == 8
     seqs = [[1, 20, 30, 40, 50, 60, 70, 80], [1, 300, 200, 100, 7, 9]]
     from rl.jobs.policy import policy_headers
