@@ -4,7 +4,16 @@
     rl -> model ----------> jointrl
 
 `jointrl` (shared records and paths) is the leaf; `model` and `rewards` import neither `envs` nor
-`rl`; `envs` does not import `rl` or `model`. The direction check reads every import statement of
+`rl`; `envs` does not import `rl` or `model`.
+
+Inside `rl`, its subpackages point one way too (`RL_ALLOWED`):
+
+    algos, weights, observe          leaves: the math, the weight formats and transports, metrics
+    rollout, trainer                 each on the leaves, never on each other
+    serve, jobs                      services on rollout and the leaves
+    tinker                           the training service, on trainer, rollout and serve
+
+The top-level modules of `rl` (the driver, its config and shared records) may import any subpackage. The direction check reads every import statement of
 every module, function-level (lazy) imports included, so a cycle cannot hide behind a late import.
 The import-alone check imports each module in a process of its own that has loaded no project module
 before it, so an order-dependent import (one that works only because a test imported something else
@@ -33,6 +42,20 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
+_LEAVES = frozenset({"algos", "weights", "observe"})
+# What each subpackage of rl may import from the others (a new subpackage must be placed here).
+RL_ALLOWED: dict[str, frozenset[str]] = {
+    "algos": frozenset(),
+    "weights": frozenset(),
+    "observe": frozenset(),
+    "rollout": _LEAVES,
+    "trainer": _LEAVES,
+    "serve": _LEAVES | {"rollout"},
+    "jobs": _LEAVES | {"rollout"},
+    "tinker": _LEAVES | {"rollout", "trainer", "serve"},
+}
+
+
 def _modules() -> list[tuple[str, Path]]:
     out = []
     for pkg in PACKAGES:
@@ -46,8 +69,9 @@ def _modules() -> list[tuple[str, Path]]:
 MODULES = _modules()
 
 
-def _project_imports(module: str, path: Path) -> list[tuple[int, str]]:
-    """(line, top-level project package) for every import in the file, relative ones resolved."""
+def _project_imports(module: str, path: Path, depth: int = 1) -> list[tuple[int, str]]:
+    """(line, project package) for every import in the file, relative ones resolved; the package is the
+    imported name's first `depth` parts (2: `rl.rollout` for `rl.rollout.engine`)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_pkg = path.name == "__init__.py"
     found = []
@@ -62,10 +86,12 @@ def _project_imports(module: str, path: Path) -> list[tuple[int, str]]:
                 names = [".".join(base + ([node.module] if node.module else []))]
             else:
                 names = [node.module or ""]
+        if isinstance(node, ast.ImportFrom) and depth > 1:  # `from rl import rollout` imports rl.rollout
+            names = [f"{names[0]}.{a.name}" if names[0] else a.name for a in node.names]
         for n in names:
-            top = n.split(".")[0]
-            if top in PACKAGES:
-                found.append((node.lineno, top))
+            parts = n.split(".")
+            if parts[0] in PACKAGES:
+                found.append((node.lineno, ".".join(parts[:depth])))
     return sorted(found)
 
 
@@ -73,6 +99,27 @@ def _violations(module: str, path: Path) -> list[str]:
     own = module.split(".")[0]
     return [f"{path.name}:{line}: {own} imports {top}" for line, top in _project_imports(module, path)
             if top != own and top not in ALLOWED[own]]
+
+
+def _rl_subpackage(module: str) -> str | None:
+    """`rollout` for `rl.rollout.engine` (and for `rl.rollout` itself); None for a top-level module of rl."""
+    parts = module.split(".")
+    if parts[0] != "rl" or len(parts) < 2 or not (REPO / "rl" / parts[1]).is_dir():
+        return None
+    return parts[1]
+
+
+def _rl_violations(module: str, path: Path) -> list[str]:
+    own = _rl_subpackage(module)
+    if own is None:
+        return []
+    out = []
+    for line, name in _project_imports(module, path, depth=2):
+        other = _rl_subpackage(name)
+        if other is not None and other != own and other not in RL_ALLOWED.get(own, frozenset()):
+            where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+            out.append(f"{where}:{line}: rl.{own} imports rl.{other}")
+    return out
 
 
 def test_every_package_is_covered():
@@ -84,6 +131,26 @@ def test_every_package_is_covered():
 def test_no_import_points_against_the_layers():
     bad = [v for module, path in MODULES for v in _violations(module, path)]
     assert not bad, "imports against the layer direction:\n" + "\n".join(bad)
+
+
+def test_every_rl_subpackage_is_placed():
+    subs = {p.name for p in (REPO / "rl").iterdir() if (p / "__init__.py").is_file()}
+    assert subs == set(RL_ALLOWED), f"place {sorted(subs - set(RL_ALLOWED))} in RL_ALLOWED (or drop {sorted(set(RL_ALLOWED) - subs)})"
+
+
+def test_no_import_points_against_the_rl_subpackage_directions():
+    bad = [v for module, path in MODULES for v in _rl_violations(module, path)]
+    assert not bad, "imports against the rl subpackage directions:\n" + "\n".join(bad)
+
+
+def test_the_rl_direction_check_reads_subpackages_and_lazy_imports(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("from rl.weights import names\n\ndef late():\n    from rl.rollout.engine import RolloutEngine\n"
+                 "from rl import config\nfrom . import batch\n")
+    assert _rl_violations("rl.trainer.x", f) == ["x.py:4: rl.trainer imports rl.rollout"]
+    assert _rl_violations("rl.serve.x", f) == [] and _rl_violations("rl.x", f) == []  # serve may; top-level modules are free
+    assert _rl_subpackage("rl.rollout.engine") == "rollout" and _rl_subpackage("rl.config") is None
+    assert [n for _, n in _project_imports("rl.trainer.x", f, depth=2)] == ["rl.weights", "rl.rollout", "rl.config", "rl.trainer"]
 
 
 def test_the_direction_check_sees_lazy_and_relative_imports(tmp_path):

@@ -297,7 +297,7 @@ class RolloutEngine:
         kwargs.update(vision_kw)
         kwargs.update(gpu_llm_kwargs(config, self._platform_is_cpu()))
         if config.lora_rank > 0:
-            from rl.trainer.lora import vllm_max_lora_rank
+            from rl.weights.lora import vllm_max_lora_rank
 
             # One adapter serves at a time; the CPU cache keeps the previous one for requests still running on it.
             kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(config.lora_rank), max_loras=1, max_cpu_loras=2,

@@ -27,7 +27,7 @@ _WHERE = {
     "recorded_sequence": "records", "RecordedSequence": "records", "RecordedImage": "records", "load_image": "records",
     "StreamingEngine": "engine", "StreamDelta": "engine",
     "ChatService": "service", "Admission": "service", "Prepared": "service", "TextDelta": "service", "Finished": "service",
-    "parse_chat_request": "openai", "completion_json": "openai", "stream_chunks": "openai", "message_json": "openai",
+    "parse_chat_request": "openai", "completion_json": "openai", "stream_chunks": "openai", "message_json": "records",
     "usage_json": "openai", "parse_message": "openai",
     "parse_messages_request": "anthropic", "nearest_tier": "anthropic",
     "parse_responses_request": "responses", "ResponseStore": "responses",

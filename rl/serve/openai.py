@@ -24,6 +24,7 @@ from rl.serve.codec import ServeCodec
 from rl.serve.core import (IMAGES_REFUSED, MAX_TOP_LOGPROBS, ApiError, ChatRequest, Choice, ServeSettings, TokenizerLike, ToolChoice,
                            brief, bad, base64_image, check_limits, check_model, is_int, merge_extra_body, budget_fields,
                            parse_max_tokens, parse_seed, request_image, sampling_numbers)
+from rl.serve.records import message_json  # the reply message on the wire is the recorded one
 from rl.serve.service import Finished, Prepared, TextDelta
 
 def _data_url_image(part: Mapping[str, Any], where: str, codec: ServeCodec, param: str) -> bytes:
@@ -251,15 +252,6 @@ def parse_chat_request(body: Any, settings: ServeSettings, model_names: Sequence
         metadata=metadata if isinstance(metadata, Mapping) else None, default_budget=default_budget,
     )
 
-
-
-def message_json(m: Message) -> dict[str, Any]:
-    """The reply message in OpenAI form (content null when there are only tool calls)."""
-    d: dict[str, Any] = {"role": "assistant", "content": m.content if (m.content or not m.tool_calls) else None}
-    d["reasoning_content"] = m.reasoning
-    if m.tool_calls:
-        d["tool_calls"] = [tc.to_openai() for tc in m.tool_calls]
-    return d
 
 
 def usage_json(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 What it does
 - `ServeRecord` / `RecordedChoice`: the JSONL layout (docs/serve.md "Records"); both wire protocols
-  write the same records (`request.protocol` says which one the request came in).
+  write the same records (`request.protocol` says which one the request came in); a reply message is
+  stored by `message_json`, in the OpenAI chat form.
 - `Recorder`: appends records to `<dir>/serve-<time>-<pid>.jsonl`, one file per server run, and each
   request's images, content-addressed, to `<dir>/images/<sha256>.<png|jpg|img>` (a multi-turn
   conversation re-sends its images; each is stored once). A record names its images by sha256 with
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from jointrl.records import Message
 from rl.types import TokenImage
 
 RECORD_VERSION = 1
@@ -61,6 +63,16 @@ def load_image(record_dir: str | os.PathLike[str], sha256: str) -> bytes:
     if hashlib.sha256(data).hexdigest() != sha256:
         raise ValueError(f"{files[0]}: its bytes do not hash to the name it is recorded under")
     return data
+
+
+def message_json(m: Message) -> dict[str, Any]:
+    """A reply message as a record stores it, in the OpenAI chat form every record uses (content null when
+    there are only tool calls); rl/serve/openai.py sends the same dict."""
+    d: dict[str, Any] = {"role": "assistant", "content": m.content if (m.content or not m.tool_calls) else None}
+    d["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        d["tool_calls"] = [tc.to_openai() for tc in m.tool_calls]
+    return d
 
 
 @dataclass(frozen=True)

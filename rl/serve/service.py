@@ -40,7 +40,7 @@ from rl.log import get_logger
 from rl.serve.codec import ServeCodec
 from rl.serve.core import (ApiError, ChatRequest, Choice, Completion, PromptTokens, ServeSettings, TokenHistory, bad, encode_prompt,
                            engine_seed, finish_choice, first_stop)
-from rl.serve.records import RecordedChoice, RecordedImage, Recorder, ServeRecord
+from rl.serve.records import RecordedChoice, RecordedImage, Recorder, ServeRecord, message_json
 from rl.types import TokenImage
 
 log = get_logger("serve")
@@ -563,8 +563,6 @@ class ChatService:
             self.history.remember(prep.rendered + tuple(rendered), prep.prompt.token_ids + c.completion.token_ids, (prep.id, c.index))
 
     def record(self, prep: Prepared, choices: Sequence[Choice]) -> ServeRecord:
-        from rl.serve.openai import message_json
-
         req = prep.req
         request = {
             "protocol": req.protocol,

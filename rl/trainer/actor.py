@@ -145,12 +145,12 @@ class TrainerWorker:
           actor's node and /dev/shm has room, else the object store (logged);
           $JOINTRL_SYNC_TRANSPORT overrides "auto".
         - "nccl" (GPU only, untested on a GPU so far): no buckets; rank 0 broadcasts into the rollout
-          workers' GPUs while they receive (rl/rollout/nccl_sync.py, driven by `NcclWeightSync.sync`).
+          workers' GPUs while they receive (rl/weights/nccl.py, driven by `NcclWeightSync.sync`).
         """
         from rl.weights import WeightBucket, WeightExporter
 
-        if transport == "nccl":  # GPU only: rank 0 broadcasts over the group rl/rollout/nccl_sync.py formed; [stats] on rank 0
-            from rl.rollout.nccl_sync import trainer_broadcast
+        if transport == "nccl":  # GPU only: rank 0 broadcasts over the group rl/weights/nccl.py joined; [stats] on rank 0
+            from rl.weights.nccl import trainer_broadcast
 
             return trainer_broadcast(self, fmt)
         if self.t.spec.lora.sync == "adapter":  # LoRA: the adapter alone (rl/weights/lora.py), any node can read it

@@ -239,15 +239,6 @@ def lora_sync_path(model_type: str, is_moe: bool, spec: LoraSpec, engine_on_cpu:
     return "adapter", "trainer.lora.sync=adapter" if spec.sync == "adapter" else "the engine serves LoRA adapters"
 
 
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest `max_lora_rank` vLLM accepts that holds `rank` (vLLM allows a fixed set of values)."""
-    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-    for a in allowed:
-        if a >= rank:
-            return a
-    raise ValueError(f"trainer.lora.rank {rank} exceeds vLLM's largest max_lora_rank ({allowed[-1]})")
-
-
 @dataclass(frozen=True)
 class LoraPlan:
     """A run's LoRA set-up, decided before anything starts: the spec with `sync` resolved, why, and

