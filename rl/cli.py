@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_CONFIG
             print(f"jointrl train: {decision.message}", file=sys.stderr, flush=True)
             apply(decision, to_dict(cfg))
-            return _call("rl.train", "main", "training", cfg)
+            return _call("rl.run", "main", "training", cfg)
         if args.cmd == "eval":
             cfg = load_config(args.config, args.overrides)
             tiers = tuple(args.tiers.split(",")) if args.tiers else None

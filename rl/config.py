@@ -21,12 +21,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from jointrl.paths import REPO_ROOT, cache_root
+from rl.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
 
 CONFIG_DIR = REPO_ROOT / "configs"
-
-
-class ConfigError(ValueError):
-    """A configuration problem, raised before any work starts."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -291,7 +288,7 @@ class LoggingSection:
     # Log the domain table every k-th step and at the last planned step. At 500 domains a table is ~0.43 MB and
     # ~0.3 s of wandb's time (docs/dashboards.md); every step's values are in metrics.jsonl and the report anyway.
     wandb_table_every: int = 10
-    # The engine-vs-trainer logprob check after a weight sync (Runtime.measure_gap: the engine and the trainer
+    # The engine-vs-trainer logprob check after a weight sync (rl/sync.py WeightSync.gap: the engine and the trainer
     # each score a few of the step's episodes, `mismatch/logprob_abs_{mean,max}`) runs at steps 0, k, 2k, ...
     # 1: every step. 0: never (the train-time `mismatch/*/<domain>` gap of each update is logged regardless).
     # On a 2-core CPU it is ~10% of a small step (docs/peers.md).

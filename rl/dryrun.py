@@ -48,7 +48,7 @@ def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") ->
     from rl.admission import estimate_run_memory, memory_available
     from rl.config import load_config, to_dict
     from rl.rundir import decide
-    from rl.runtime import describe_placement
+    from rl.placement import describe_placement
 
     t0 = time.perf_counter()
     cfg = load_config(path, overrides, pull=False)

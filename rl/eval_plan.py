@@ -20,7 +20,7 @@ gives no within-domain variance; then the variance of all the family's task valu
 between-domain spread and so errs wide). With before and after rows, the same estimator on the per-task
 differences gives each family's paired gain and its interval.
 
-It does not run episodes (rl/evaluate.py does, through the runtime) or choose the budget.
+It does not run episodes (rl/evaluate.py does, through the run's rollouts) or choose the budget.
 """
 from __future__ import annotations
 
@@ -29,9 +29,12 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rl.config import EvalSection
 
 
 @dataclass(frozen=True)
@@ -128,15 +131,14 @@ def plan_eval(budget_episodes: int, samples: int, pool_sizes: Mapping[str, int],
                     families={f: v for f, v in planned.items() if v})
 
 
-def plan_for_run(rt) -> EvalPlan:
-    """The plan for a runtime (`rt`: rl.runtime.Runtime) under its config's `eval.budget_episodes`: its
-    held-out pools, the run record's families (declared by the train tasks), `envs.weights`, `eval.seed`."""
+def plan_for_run(pools: Any, ev: EvalSection, weights: Mapping[str, float]) -> EvalPlan:
+    """The plan for a run's task pools (`pools`: rl.tasks.TaskPools) under the `eval` section's `budget_episodes`
+    (`ev`), with the run's `envs.weights`: its families from the run record's grouping of the pools' env ids."""
     from rl.observe.record import RunRecord
 
-    ev = rt.cfg.eval
-    family_of = RunRecord.of(rt.env_ids, rt.train_tasks, steps=rt.cfg.trainer.steps).family_of()
-    return plan_eval(ev.budget_episodes, ev.samples, {d: len(rt.eval_tasks[d]) for d in rt.domains}, family_of,
-                     rt.cfg.envs.weights, ev.seed)
+    family_of = RunRecord.of(pools.env_ids, pools.train, steps=0).family_of()  # families do not depend on the steps
+    return plan_eval(ev.budget_episodes, ev.samples, {d: len(pools.heldout[d]) for d in pools.domains}, family_of,
+                     weights, ev.seed)
 
 
 # ---------------------------------------------------------------------------------------------- per-family figures

@@ -1,11 +1,11 @@
-"""Held-out evaluation: `evaluate(rt, label)` (the driver's before / after tables) and `jointrl eval CKPT`,
-held-out success per domain (and per thinking tier) for one checkpoint.
+"""Held-out evaluation: `evaluate(rollouts, pools, ev, run_dir, label)` (the driver's before / after tables)
+and `jointrl eval CKPT`, held-out success per domain (and per thinking tier) for one checkpoint.
 
 CKPT is a HF checkpoint dir (a run's `checkpoint/hf`, or any compatible model dir: with the project
 tokenizer it speaks the `jointrl` chat format, with a chat template of its own the `hf` codec, unless
 `model.chat_codec` says otherwise) or a shipped model shape name (random weights: a floor for comparisons).
-Greedy decoding, one episode per held-out task, through the same vLLM workers, environments
-and graders as training. Prints a table and writes RUN_DIR/eval_<label>.json.
+`eval.samples` episodes per held-out task at `eval.temperature`, through the same vLLM workers,
+environments and graders as training. Prints a table and writes RUN_DIR/eval_<label>.json.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rl.config import RunConfig
+from rl.config import EvalSection, RunConfig
 from rl.eval_plan import plan_for_run
 from rl.log import get_logger, setup_logging
 
@@ -37,35 +37,37 @@ class EvalRow:
     task_success: tuple[float, ...] = ()  # per task (held-out order), success over its samples: for paired comparisons
 
 
-def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
-    """Held-out success per domain (and tier) through the runtime's engines (`rt`: rl.runtime.Runtime):
-    `eval.samples` episodes per task at `eval.temperature`; writes RUN_DIR/eval_<label>.json."""
+def evaluate(rollouts: Any, pools: Any, ev: EvalSection, run_dir: Path, label: str, *, default_n: int, weights: Mapping[str, float],
+             n_per_domain: int | None = None, tiers: Sequence[str] | None = None) -> list[EvalRow]:
+    """Held-out success per domain (and tier) of `pools` (rl.tasks.TaskPools) through `rollouts`
+    (rl.rollout.rollouts.Rollouts) under the `eval` section `ev`: `eval.samples` episodes per task at
+    `eval.temperature`, on `n_per_domain`, else `eval.n_per_domain`, else `default_n` tasks per domain, or the
+    plan fitted to `eval.budget_episodes` over the domains and their `weights`; writes RUN_DIR/eval_<label>.json."""
     import time
 
     from rl.log import progress
 
-    ev = rt.cfg.eval
-    n = n_per_domain or ev.n_per_domain or max(2, rt.cfg.trainer.tasks_per_step)
-    plan = plan_for_run(rt).tasks if n_per_domain is None and ev.budget_episodes else None  # tasks per domain to fit the budget
+    n = n_per_domain or ev.n_per_domain or default_n
+    plan = plan_for_run(pools, ev, weights).tasks if n_per_domain is None and ev.budget_episodes else None  # to fit the budget
     rows: list[EvalRow] = []
-    per_domain = {d: len(rt.eval_tasks[d][:plan[d] if plan is not None else n]) for d in rt.domains}
+    per_domain = {d: len(pools.heldout[d][:plan[d] if plan is not None else n]) for d in pools.domains}
     total = sum(per_domain.values()) * len(tiers or (None,)) * ev.samples
     log.info("held-out evaluation %r: %d episodes over %d domain(s)", label, total, sum(1 for v in per_domain.values() if v))
     t0 = time.perf_counter()
     bar = progress(desc=f"eval {label}", total=total, unit="ep")
-    watched = _EpisodeCounter(rt, bar)
-    for d in rt.domains:
+    watched = _EpisodeCounter(rollouts, bar)
+    for d in pools.domains:
         if plan is not None and plan[d] == 0:
             continue
         for tier in tiers or (None,):
-            tasks = rt.eval_tasks[d][:plan[d] if plan is not None else n]
+            tasks = pools.heldout[d][:plan[d] if plan is not None else n]
             if tier is not None:
                 from dataclasses import replace
 
                 tasks = [replace(t, thinking=tier) for t in tasks]
             bar.set_postfix_str(f"{d}{f' ({tier})' if tier else ''}")
             with watched:
-                groups = rt.run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
+                groups = rollouts.run_groups(tasks, ev.samples, temperature=ev.temperature, seed=ev.seed)
             eps = [e for g in groups for e in g]
             rows.append(EvalRow(domain=d, tier=tier or (tasks[0].thinking if tasks else "-"), n=len(tasks), samples=ev.samples,
                                 task_success=tuple(float(np.mean([e.reward >= 1.0 for e in g])) for g in groups),
@@ -75,23 +77,23 @@ def evaluate(rt: Any, label: str, n_per_domain: int | None = None, tiers: Sequen
                                 turns=float(np.mean([e.num_turns for e in eps])) if eps else 0.0))
     bar.close()
     log.info("held-out evaluation %r: %d episodes in %.0f s", label, watched.finished, time.perf_counter() - t0)
-    (rt.run_dir / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    (Path(run_dir) / f"eval_{label}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return rows
 
 
 class _EpisodeCounter:
-    """While entered, every environment the runtime makes advances `bar` by one when it closes (each episode
+    """While entered, every environment the rollouts make advances `bar` by one when it closes (each episode
     closes its environment once, however it ended), so the evaluation's bar moves per finished episode and
     its ETA is the rate of finished episodes. Plain progress logging: it changes nothing about the episodes."""
 
-    def __init__(self, rt: Any, bar: Any) -> None:
-        self.rt, self.bar, self.finished = rt, bar, 0
+    def __init__(self, rollouts: Any, bar: Any) -> None:
+        self.rollouts, self.bar, self.finished = rollouts, bar, 0
 
     def __enter__(self) -> "_EpisodeCounter":
-        make = getattr(self.rt, "make_env", None)
-        self._own, self._counting = vars(self.rt).get("make_env"), make is not None
-        if make is None:  # a runtime that makes no environments here (a test double): nothing to count
-            return self  # a runtime object may hold make_env as an attribute of its own
+        make = getattr(self.rollouts, "make_env", None)
+        self._own, self._counting = vars(self.rollouts).get("make_env"), make is not None
+        if make is None:  # rollouts that make no environments here (a test double): nothing to count
+            return self  # a rollouts object may hold make_env as an attribute of its own
 
         def make_env(task):
             env = make(task)
@@ -110,20 +112,20 @@ class _EpisodeCounter:
             env.close = counted_close
             return env
 
-        self.rt.make_env = make_env  # an instance attribute over the method, removed on exit
+        self.rollouts.make_env = make_env  # an instance attribute over the method, removed on exit
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if not self._counting:
             return
         if self._own is not None:
-            self.rt.make_env = self._own
+            self.rollouts.make_env = self._own
         else:
-            del self.rt.make_env
+            del self.rollouts.make_env
 
 
 def load_eval(run_dir: Path, label: str) -> list[EvalRow] | None:
-    """The rows `evaluate(rt, label)` wrote to RUN_DIR/eval_<label>.json, or None if there is no such file."""
+    """The rows `evaluate(rollouts, pools, ev, run_dir, label)` wrote to RUN_DIR/eval_<label>.json, or None if there is no such file."""
     path = Path(run_dir) / f"eval_{label}.json"
     if not path.exists():
         return None
@@ -302,7 +304,7 @@ def print_eval_table(run_dir: Path, before: Sequence[EvalRow], after: Sequence[E
 
 
 def main(cfg: RunConfig, checkpoint: str, tasks_per_domain: int = 8, tiers: Sequence[str] | None = None) -> int:
-    from rl.runtime import Runtime
+    from rl.setup import start_run
 
     setup_logging(cfg.logging.level)
     for t in tiers or ():
@@ -314,10 +316,8 @@ def main(cfg: RunConfig, checkpoint: str, tasks_per_domain: int = 8, tiers: Sequ
         ck = ck / "hf"
     cfg = replace(cfg, name=f"eval-{ck.name}", model=replace(cfg.model, arch=str(ck) if ck.exists() else checkpoint),
                   logging=replace(cfg.logging, wandb_mode="disabled"))
-    rt = Runtime.start(cfg, with_trainer=False)
-    try:
-        rows = evaluate(rt, "eval", n_per_domain=tasks_per_domain, tiers=tiers)
+    with start_run(cfg, with_trainer=False) as parts:
+        rows = evaluate(parts.rollouts, parts.pools, cfg.eval, parts.run_dir, "eval", default_n=max(2, cfg.trainer.tasks_per_step),
+                        weights=cfg.envs.weights, n_per_domain=tasks_per_domain, tiers=tiers)
         print(f"held-out evaluation of {checkpoint}\n" + format_eval_table(rows), flush=True)
-    finally:
-        rt.shutdown()
     return 0

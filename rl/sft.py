@@ -23,11 +23,14 @@ import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from jointrl.records import Message, Task
 from rl.log import get_logger
-from rl.types import Episode
+from rl.types import Episode, SftStats, SftStepResult
+
+if TYPE_CHECKING:
+    from rl.config import TrainerSection
 
 log = get_logger("sft")
 
@@ -164,44 +167,62 @@ async def reference_episodes(tasks: Sequence[Task], make_env: Callable[[Task], A
     return [e for e in out if e is not None]
 
 
-def run_demonstrations(rt: Any) -> list[tuple[Task, Demonstration]]:
-    """`trainer.sft_data` read and checked against the runtime's task pools (`rt.train_tasks`, `rt.eval_tasks`)."""
-    train = {t.id: t for d in rt.domains for t in rt.train_tasks[d]}
-    heldout = {t.id for d in rt.domains for t in getattr(rt, "eval_tasks", {}).get(d, ())}
-    return read_demonstrations(rt.cfg.trainer.sft_data, train, heldout)
+class SftSet:
+    """The run's SFT set, built once (the warm start and the SFT control arm use the same set): with
+    `trainer.sft_data`, that file's demonstrations (read and checked against the task pools at `load`, so a bad
+    file fails before Ray or the trainer start) replayed as given; otherwise reference trajectories of the first
+    `trainer.sft_tasks_per_domain` *train* tasks of every weighted domain that score 1. Episodes longer than
+    `rollout.max_model_len` are left out. Held-out tasks never enter it."""
+
+    def __init__(self, pools: Any, *, sft_data: str = "", tasks_per_domain: int = 0, sandbox_slots: int = 4,
+                 max_model_len: int, demonstrations: list[tuple[Task, Demonstration]] | None = None) -> None:
+        self.pools = pools  # rl.tasks.TaskPools
+        self.sft_data = sft_data  # trainer.sft_data
+        self.tasks_per_domain = tasks_per_domain  # the resolved trainer.sft_tasks_per_domain
+        self.sandbox_slots = sandbox_slots  # envs.sandbox_slots: concurrent sandboxes of the replays
+        self.max_model_len = max_model_len
+        self.demonstrations = demonstrations
+        self._episodes: list[Episode] | None = None
+
+    @classmethod
+    def load(cls, pools: Any, trainer: TrainerSection, *, sandbox_slots: int, max_model_len: int) -> "SftSet":
+        """The set of the `trainer` section's SFT keys; the demonstration file, if any, read and checked now."""
+        demos = read_pool_demonstrations(trainer.sft_data, pools) if trainer.sft_data else None
+        return cls(pools, sft_data=trainer.sft_data, sandbox_slots=sandbox_slots, max_model_len=max_model_len,
+                   tasks_per_domain=trainer.sft_tasks_per_domain or max(4, trainer.tasks_per_step * 4), demonstrations=demos)
+
+    def episodes(self, rollouts: Any) -> list[Episode]:
+        """The set as token episodes, replayed in the environments `rollouts` makes, tokenised with its codec."""
+        if self._episodes is not None:
+            return self._episodes
+        make_env, tok, codec, slots = rollouts.make_env, rollouts.tok, rollouts.codec, self.sandbox_slots
+        if self.sft_data:
+            demos = self.demonstrations if self.demonstrations is not None else read_pool_demonstrations(self.sft_data, self.pools)
+            eps = asyncio.run(reference_episodes([t for t, _ in demos], make_env, tok, codec, max_concurrent=slots,
+                                                 actions=[d.actions for _, d in demos]))
+            mean = sum(e.reward for e in eps) / max(1, len(eps))
+            log.info("SFT data: %d demonstrations from %s, replayed reward %.3f (used as given)", len(eps), self.sft_data, mean)
+        else:
+            tasks = [t for d in self.pools.domains for t in self.pools.train[d][:self.tasks_per_domain]]
+            eps = asyncio.run(reference_episodes(tasks, make_env, tok, codec, max_concurrent=slots))
+            # References longer than the context: played through the agent loop with the run's context strategy
+            # (`window` where it is `full`, which could not show them at all), so they come in segments that fit.
+            long_ids = {e.task_id for e in eps if len(e.token_ids) > self.max_model_len}
+            if long_ids:
+                from rl.rollout.replay import demonstration_settings, reference_in_context
+
+                eps = [e for e in eps if e.task_id not in long_ids] + asyncio.run(reference_in_context(
+                    [t for t in tasks if t.id in long_ids], make_env, codec, demonstration_settings(rollouts.loop_settings()),
+                    max_concurrent=slots))
+        self._episodes = [e for e in eps if len(e.token_ids) <= self.max_model_len]
+        return self._episodes
 
 
-def sft_data(rt: Any) -> list[Episode]:
-    """The run's SFT set, episodes that fit `rollout.max_model_len`: with `trainer.sft_data`, that file's
-    demonstrations as given; otherwise reference trajectories of the first `trainer.sft_tasks_per_domain`
-    *train* tasks of every weighted domain that score 1. Built once per runtime (the warm start and the
-    SFT control arm use the same set). Held-out tasks never enter it."""
-    cached = getattr(rt, "_sft_episodes", None)
-    if cached is not None:
-        return cached
-    slots = rt.cfg.envs.sandbox_slots
-    if rt.cfg.trainer.sft_data:
-        demos = getattr(rt, "sft_demonstrations", None) or run_demonstrations(rt)  # read at start-up by the Runtime
-        eps = asyncio.run(reference_episodes([t for t, _ in demos], rt.make_env, rt.tok, rt.codec, max_concurrent=slots,
-                                             actions=[d.actions for _, d in demos]))
-        mean = sum(e.reward for e in eps) / max(1, len(eps))
-        log.info("SFT data: %d demonstrations from %s, replayed reward %.3f (used as given)", len(eps), rt.cfg.trainer.sft_data, mean)
-    else:
-        per_domain = rt.cfg.trainer.sft_tasks_per_domain or max(4, rt.cfg.trainer.tasks_per_step * 4)
-        tasks = [t for d in rt.domains for t in rt.train_tasks[d][:per_domain]]
-        eps = asyncio.run(reference_episodes(tasks, rt.make_env, rt.tok, rt.codec, max_concurrent=slots))
-        # References longer than the context: played through the agent loop with the run's context strategy
-        # (`window` where it is `full`, which could not show them at all), so they come in segments that fit.
-        long_ids = {e.task_id for e in eps if len(e.token_ids) > rt.cfg.rollout.max_model_len}
-        if long_ids:
-            from rl.rollout.replay import demonstration_settings, reference_in_context
-
-            eps = [e for e in eps if e.task_id not in long_ids] + asyncio.run(reference_in_context(
-                [t for t in tasks if t.id in long_ids], rt.make_env, rt.codec, demonstration_settings(rt._loop_settings()),
-                max_concurrent=slots))
-    eps = [e for e in eps if len(e.token_ids) <= rt.cfg.rollout.max_model_len]
-    rt._sft_episodes = eps
-    return eps
+def read_pool_demonstrations(path: str, pools: Any) -> list[tuple[Task, Demonstration]]:
+    """`trainer.sft_data` read and checked against the task pools (`pools.train`, `pools.heldout`)."""
+    train = {t.id: t for d in pools.domains for t in pools.train[d]}
+    heldout = {t.id for d in pools.domains for t in pools.heldout.get(d, ())}
+    return read_demonstrations(path, train, heldout)
 
 
 SFT_META = "sft_meta.json"  # in an SFT checkpoint directory: {"sft_step": steps done, "steps": planned, "done": bool}
@@ -217,22 +238,24 @@ def read_sft_checkpoint(ckpt_dir: Path | None) -> dict[str, Any] | None:
         return None
 
 
-def _save_sft_checkpoint(rt: Any, ckpt_dir: Path, done: int, steps: int, seconds: float) -> None:
+def _save_sft_checkpoint(policy: Any, ckpt_dir: Path, done: int, steps: int, seconds: float) -> None:
     """The trainer state after `done` supervised steps; the meta file is written last, atomically, so a kill
     mid-save leaves the previous checkpoint (or none) valid."""
     (Path(ckpt_dir) / SFT_META).unlink(missing_ok=True)
-    rt.trainer.save_checkpoint(str(ckpt_dir))
+    policy.save_checkpoint(str(ckpt_dir))
     tmp = Path(ckpt_dir) / (SFT_META + ".tmp")
     tmp.write_text(json.dumps({"sft_step": done, "steps": steps, "done": done >= steps, "seconds": seconds}))
     tmp.replace(Path(ckpt_dir) / SFT_META)
     log.info("SFT checkpoint saved at SFT step %d of %d (%s)", done, steps, ckpt_dir)
 
 
-def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, label: str = "sft",
-              seed_offset: int = 0, checkpoint_dir: Path | None = None, checkpoint_every: int = 0) -> dict[str, float]:
-    """Supervised steps on `sft_data(rt)` through the runtime's trainer: `steps` of them, or as many as fit in
-    `seconds` of wall time (the SFT control arm: SFT continued for as long as RL ran). Batches are
-    `trainer.micro_batch_size` trajectories drawn without replacement per step. The engines are not synced.
+def sft_train(policy: Any, episodes: Sequence[Episode], trainer: TrainerSection, run_dir: Path, *, seed: int, steps: int | None = None,
+              seconds: float | None = None, label: str = "sft", seed_offset: int = 0, checkpoint_dir: Path | None = None,
+              checkpoint_every: int = 0) -> SftStats:
+    """Supervised steps on `episodes` (the run's SFT set) through `policy` (rl.trainer.client.PolicyClient): `steps`
+    of them, or as many as fit in `seconds` of wall time (the SFT control arm: SFT continued for as long as RL ran).
+    Batches are `trainer.micro_batch_size` trajectories drawn without replacement per step (`seed`: model.seed) at
+    `trainer.sft_lr`, then the rate goes back to `trainer.lr`. The engines are not synced.
 
     With `checkpoint_dir` (a step count only): the trainer state is saved there every `checkpoint_every` steps
     (0: only at the end) and at the end, and a checkpoint found there is resumed: its steps are not redone and
@@ -244,23 +267,23 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
 
     if (steps is None) == (seconds is None):
         raise ValueError("sft_train: give exactly one of steps or seconds")
-    eps = sft_data(rt)
+    eps = list(episodes)
     if not eps:
         log.warning("%s: no reference trajectories; no supervised steps", label)
-        return {}
-    rng = random.Random(rt.cfg.model.seed + seed_offset)
-    bs = max(1, rt.cfg.trainer.micro_batch_size)
+        return SftStats()
+    rng = random.Random(seed + seed_offset)
+    bs = max(1, trainer.micro_batch_size)
     start, prior_s = 0, 0.0
     meta = read_sft_checkpoint(checkpoint_dir) if steps is not None else None
     if meta is not None:
-        rt.trainer.load_checkpoint(str(checkpoint_dir))
+        policy.load_checkpoint(str(checkpoint_dir))
         start, prior_s = min(int(meta["sft_step"]), steps), float(meta.get("seconds", 0.0))
         for _ in range(start):
             rng.sample(eps, min(bs, len(eps)))  # the draws of the steps already done
         log.warning("%s: resumed from its checkpoint at SFT step %d of %d (%s)", label, start, steps, checkpoint_dir)
     log.info("%s: %d trajectories, %s", label, len(eps), f"{steps} steps" if steps is not None else f"{seconds:.0f} s")
-    rt.trainer.set_lr(rt.cfg.trainer.sft_lr)
-    m: dict[str, float] = {}
+    policy.set_lr(trainer.sft_lr)
+    last: SftStepResult | None = None
     t0 = time.perf_counter()
     done = start
     # A step count: one tick per step. A time budget (the control arm): the bar counts its seconds, so its ETA is the
@@ -268,32 +291,35 @@ def sft_train(rt: Any, steps: int | None = None, seconds: float | None = None, l
     bar = progress(desc=label, total=steps, initial=start) if steps is not None else \
         progress(desc=label, total=int(round(seconds)), unit="s")
     ticks = range(start, steps) if steps is not None else iter(int, 1)
-    with open(rt.run_dir / f"{label}_metrics.jsonl", "a", encoding="utf-8") as f:
+    with open(Path(run_dir) / f"{label}_metrics.jsonl", "a", encoding="utf-8") as f:
         for _ in ticks:
             if seconds is not None and time.perf_counter() - t0 >= seconds:
                 break
             chosen = rng.sample(eps, min(bs, len(eps)))
-            batch = rt.batch_of(chosen, [0.0] * len(chosen))
-            m = rt.trainer.sft_step(batch)
+            batch = policy.batch_of(chosen, [0.0] * len(chosen))
+            last = policy.sft_step(batch)
             done += 1
-            f.write(json.dumps({"sft_step": done - 1, **m}) + "\n")
+            f.write(json.dumps({"sft_step": done - 1, **last.as_metrics()}) + "\n")
             f.flush()  # watchable while the run goes on
             bar.update(1 if steps is not None else min(int(time.perf_counter() - t0), bar.total) - bar.n)
-            bar.set_postfix_str(f"{'' if steps is not None else f'step {done}, '}nll {m.get('sft/nll', float('nan')):.3f}")
+            nll = last.nll if last.nll is not None else float("nan")
+            bar.set_postfix_str(f"{'' if steps is not None else f'step {done}, '}nll {nll:.3f}")
             if checkpoint_dir is not None and steps is not None and checkpoint_every and done % checkpoint_every == 0 \
                     and done < steps:
-                _save_sft_checkpoint(rt, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
+                _save_sft_checkpoint(policy, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
     bar.close()
-    rt.trainer.set_lr(rt.cfg.trainer.lr)
+    policy.set_lr(trainer.lr)
     if checkpoint_dir is not None and steps is not None and done > start:
-        _save_sft_checkpoint(rt, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
-    rt.refresh_versions()
-    return {**m, "sft/trajectories": float(len(eps)), "sft/data_reward": sum(e.reward for e in eps) / len(eps),
-            "sft/steps": float(done), "sft/seconds": prior_s + time.perf_counter() - t0}
+        _save_sft_checkpoint(policy, checkpoint_dir, done, steps, prior_s + time.perf_counter() - t0)
+    policy.refresh_versions()
+    return SftStats(last=last, trajectories=len(eps), data_reward=sum(e.reward for e in eps) / len(eps), steps=done,
+                    seconds=prior_s + time.perf_counter() - t0)
 
 
-def sft_warm_start(rt: Any, steps: int, checkpoint_dir: Path | None = None) -> dict[str, float]:
-    """Supervised warm start on the run's SFT set (`sft_data`: references or `trainer.sft_data`), through
-    the runtime's trainer (`rt`: rl.runtime.Runtime), checkpointed in `checkpoint_dir` every
-    `trainer.checkpoint_every` steps and at its end, and resumed from there; the engines are not synced here."""
-    return sft_train(rt, steps=steps, label="sft", checkpoint_dir=checkpoint_dir, checkpoint_every=rt.cfg.trainer.checkpoint_every)
+def sft_warm_start(policy: Any, episodes: Sequence[Episode], trainer: TrainerSection, run_dir: Path, *, seed: int, steps: int,
+                   checkpoint_dir: Path | None = None) -> SftStats:
+    """Supervised warm start on the run's SFT set (`SftSet`: references or `trainer.sft_data`), checkpointed in
+    `checkpoint_dir` every `trainer.checkpoint_every` steps and at its end, and resumed from there; the engines
+    are not synced here."""
+    return sft_train(policy, episodes, trainer, run_dir, seed=seed, steps=steps, label="sft", checkpoint_dir=checkpoint_dir,
+                     checkpoint_every=trainer.checkpoint_every)

@@ -1,14 +1,20 @@
-"""Typed records that cross component boundaries in the RL loop: episodes, groups, step metrics.
+"""Typed records that cross component boundaries in the RL loop: episodes, groups, step metrics, and the
+statistics the driver reads back from its parts (RolloutStats, TrainResult, SftStepResult, SyncStats,
+GapStats).
 
-Data only. Producers: the agent loop (Episode), the driver (RolloutGroup, StepMetrics). Consumers:
+Data only. Each statistic is a field that names its metric (`stat(name, reduce)`); `as_metrics()` turns
+a record into `name -> value` in that one place, so the driver reads fields, never metric keys. A
+trainer field also declares how the ranks' values combine (`Reduce`), read by rl/trainer/group.py.
+Producers: the agent loop (Episode), the driver (RolloutGroup, StepMetrics). Consumers:
 the trainer (which packs episodes into its own tensor batch, `rl/trainer/batch.py: TrainBatch`),
 the metrics logger and the report. Records shared with environments (Message, Task, ...) live in
 `jointrl.records`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Sequence
 
 from jointrl.records import Message
 
@@ -103,3 +109,136 @@ class StepMetrics:
     step: int
     values: Mapping[str, float]
     samples: Sequence[Mapping[str, str]] = ()
+
+
+class Reduce(enum.Enum):
+    """How one trainer statistic combines over the ranks of a step."""
+
+    SUM = "sum"          # each rank counted its own share (tokens, sequences)
+    MAX = "max"          # the slowest / largest rank (times, resident memory)
+    RANK0 = "rank0"      # equal on every rank (grad norm after all-reduce, lr)
+    SEQ_MEAN = "seq_mean"  # a per-sequence mean over the rank's share: weighted by its sequences
+
+
+def stat(name: str, reduce: Reduce | None = None, default: Any = None) -> Any:
+    """A statistic field: its metric name and (trainer statistics) how ranks combine it; None = not reported."""
+    return field(default=default, metadata={"metric": name, "reduce": reduce})
+
+
+def metrics_of(record: Any) -> dict[str, float]:
+    """`metric name -> value` of every reported (not None) statistic field of `record`."""
+    out: dict[str, float] = {}
+    for f in fields(record):
+        name = f.metadata.get("metric")
+        v = getattr(record, f.name)
+        if name is not None and v is not None:
+            out[name] = float(v)
+    return out
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """One step's rollout statistics: the per-domain episode metrics (rl/observe/telemetry.py, partial
+    rollouts' metrics) and what the driver adds (throughput, oversampled tasks)."""
+
+    per_domain: Mapping[str, float] = field(default_factory=dict)
+    episodes_per_s: float | None = stat("rollout/episodes_per_s")
+    oversampled_tasks: int | None = stat("rollout/oversampled_tasks")
+
+    def as_metrics(self) -> dict[str, float]:
+        return {**self.per_domain, **metrics_of(self)}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One RL update on the trainer ranks. The typed fields are the trainer's own bookkeeping, each with its
+    rank reduction; `per_seq` holds the objective's and the telemetry's statistics (`pg/*`, `kl/*`,
+    `mismatch/*`, `moe/*` ...), per-sequence means of each rank's share, combined weighted by its sequences."""
+
+    seqs: float | None = stat("train/seqs", Reduce.SUM)
+    tokens: float | None = stat("train/tokens", Reduce.SUM)
+    forward_tokens: float | None = stat("train/forward_tokens", Reduce.SUM)
+    micro_batches: float | None = stat("train/micro_batches", Reduce.SUM)
+    step_s: float | None = stat("train/step_s", Reduce.MAX)
+    busy_s: float | None = stat("train/busy_s", Reduce.MAX)
+    old_logprob_s: float | None = stat("train/old_logprob_s", Reduce.MAX)
+    ref_logprob_s: float | None = stat("train/ref_logprob_s", Reduce.MAX)
+    rss_gb: float | None = stat("train/rss_gb", Reduce.MAX)  # the largest rank: the one Ray's OOM monitor takes first
+    peak_rss_gb: float | None = stat("train/peak_rss_gb", Reduce.MAX)
+    grad_norm: float | None = stat("train/grad_norm", Reduce.RANK0)
+    lr: float | None = stat("train/lr", Reduce.RANK0)
+    # the step's tokens over its slowest rank (set from the reduced tokens and step_s, not reduced itself)
+    tokens_per_s: float | None = stat("train/tokens_per_s", Reduce.MAX)
+    routing_replay: str | None = field(default=None, metadata={"reduce": Reduce.RANK0})  # "off" | "r2" | "r3"
+    value_loss: float | None = stat("value/loss", Reduce.SUM)
+    value_clipfrac: float | None = stat("value/clipfrac", Reduce.SEQ_MEAN)
+    value_explained_var: float | None = stat("value/explained_var", Reduce.SEQ_MEAN)
+    value_grad_norm: float | None = stat("value/grad_norm", Reduce.RANK0)
+    value_step_s: float | None = stat("value/step_s", Reduce.MAX)
+    world_size: int | None = stat("trainer/world_size")
+    staleness: int | None = None  # policy versions between the oldest episode's generator and the trained weights
+    per_seq: Mapping[str, float] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        out = {**self.per_seq, **metrics_of(self)}
+        if self.routing_replay is not None:
+            out["train/routing_replay_" + self.routing_replay] = 1.0
+        if self.staleness is not None:
+            out["policy/staleness"] = out["rollout/max_staleness_seen"] = float(self.staleness)
+        return out
+
+
+@dataclass(frozen=True)
+class SftStepResult:
+    """One supervised step on the trainer ranks."""
+
+    nll: float | None = stat("sft/nll", Reduce.SEQ_MEAN)
+    grad_norm: float | None = stat("sft/grad_norm", Reduce.RANK0)
+    seqs: float | None = stat("train/seqs", Reduce.SUM)
+
+    def as_metrics(self) -> dict[str, float]:
+        return metrics_of(self)
+
+
+@dataclass(frozen=True)
+class SftStats:
+    """A run of supervised steps (the warm start or the control arm): the last step and the totals."""
+
+    last: SftStepResult | None = None
+    trajectories: int | None = stat("sft/trajectories")
+    data_reward: float | None = stat("sft/data_reward")
+    steps: int = stat("sft/steps", default=0)
+    seconds: float = stat("sft/seconds", default=0.0)
+
+    def as_metrics(self) -> dict[str, float]:
+        if self.trajectories is None:  # no SFT set: nothing ran
+            return {}
+        return {**(self.last.as_metrics() if self.last is not None else {}), **metrics_of(self)}
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight sync, trainer -> rollout engines."""
+
+    seconds: float = stat("sync/seconds", default=0.0)
+    export_s: float = stat("sync/export_s", default=0.0)
+    load_s: float = stat("sync/load_s", default=0.0)
+    bytes: float = stat("sync/bytes", default=0.0)
+    buckets: float = stat("sync/buckets", default=0.0)
+    shm: bool = stat("sync/shm", default=False)
+    nccl: bool | None = stat("sync/nccl")
+    lora_adapter: bool | None = stat("sync/lora_adapter")  # None: the run has no LoRA
+
+    def as_metrics(self) -> dict[str, float]:
+        return {**metrics_of(self), "sync/bytes_per_s": self.bytes / max(self.seconds, 1e-9)}
+
+
+@dataclass(frozen=True)
+class GapStats:
+    """Engine vs trainer logprobs of the same generated tokens under the same weights."""
+
+    abs_mean: float = stat("mismatch/logprob_abs_mean", default=0.0)
+    abs_max: float = stat("mismatch/logprob_abs_max", default=0.0)
+
+    def as_metrics(self) -> dict[str, float]:
+        return metrics_of(self)

@@ -27,7 +27,7 @@ def run_arm(cfg, model_dir: Path, env_id: str, tasks, samples: int, threads: int
     import envs
     from rl.rollout.agent_loop import BatchingGenerator, ThreadedGenerate, run_groups
     from rl.rollout.engine import RolloutEngine
-    from rl.runtime import build_codec, engine_config_for, loop_settings_for
+    from rl.setup import build_codec, engine_config_for, loop_settings_for
 
     codec = build_codec(cfg.model, model_dir)
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, threads_per_worker=threads))

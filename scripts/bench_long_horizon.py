@@ -51,7 +51,7 @@ def bench_partial(args) -> None:
     from rl.rollout.codec import make_codec
     from rl.rollout.engine import EngineConfig, RolloutEngine
     from rl.rollout.partial import PartialRollouts
-    from rl.runtime import build_initial_checkpoint
+    from rl.setup import build_initial_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_long_"))
     ckpt = build_initial_checkpoint("tiny", tmp / "ckpt", seed=0)

@@ -256,9 +256,9 @@ def bench_worker(path: str, new_tokens: int, reps: int) -> dict:
     from rl.rollout.dispatcher import RolloutDispatcher
     from rl.rollout.engine import EngineConfig
     from rl.rollout.worker import rollout_worker_actor
-    from rl.runtime import ROLLOUT_CPUS
+    from rl.placement import ROLLOUT_CPUS
 
-    from rl.runtime import start_local_ray
+    from rl.placement import start_local_ray
 
     setup_cache_env()
     start_local_ray(log_to_driver=False)  # as a run starts Ray (workers at niceness 0)

@@ -400,7 +400,7 @@ def bench_breakdown(steps: int) -> dict:
     from rl.config import load_config
     from rl.observe.sink import read_metrics
     from tests.helpers.checkpoints import build_test_checkpoint
-    from rl.train import run
+    from rl.run import run
 
     tmp = Path(tempfile.mkdtemp())
     build_test_checkpoint(tmp / "m")

@@ -466,7 +466,7 @@ def jointrl_steps(rows: Sequence[dict[str, Any]], warmup: int) -> tuple[StepReco
 def run_jointrl(spec: BenchSpec, model_dir: Path, plan: list[list[PromptRow]]) -> SideResult:
     from rl.config import load_config
     from rl.observe.sink import read_metrics
-    from rl.train import run
+    from rl.run import run
 
     run_dir = spec.out_dir() / "jointrl"
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -50,12 +50,12 @@ def arm_overrides(arm: str, run_dir: Path, a: argparse.Namespace) -> list[str]:
     ]
 
 
-def held_out(rt, cfg) -> dict:
+def held_out(parts, cfg) -> dict:
     """Per held-out task: mean reward and success over its samples; what the episodes showed and did."""
     import numpy as np
 
-    tasks = rt.eval_tasks["cad"][:cfg.eval.n_per_domain]
-    groups = rt.run_groups(tasks, cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.eval.seed)
+    tasks = parts.pools.heldout["cad"][:cfg.eval.n_per_domain]
+    groups = parts.rollouts.run_groups(tasks, cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.eval.seed)
     eps = [e for g in groups for e in g]
     return {"task_ids": [t.id for t in tasks],
             "task_reward": [float(np.mean([e.reward for e in g])) for g in groups],
@@ -69,23 +69,25 @@ def held_out(rt, cfg) -> dict:
 
 def run_arm(arm: str, run_dir: Path, a: argparse.Namespace) -> dict:
     from rl.config import load_config
-    from rl.runtime import Runtime
+    from rl.run import loop_config
+    from rl.setup import start_run
     from rl.sft import sft_warm_start
-    from rl.train import rl_steps
+    from rl.train import Loop, rl_steps
 
     cfg = load_config("tiny.yaml", arm_overrides(arm, run_dir, a))
     t0 = time.perf_counter()
-    rt = Runtime.start(cfg)
-    try:
-        sft = sft_warm_start(rt, cfg.trainer.sft_steps) if cfg.trainer.sft_steps else {}
+    with start_run(cfg) as parts:
+        sft = {}
         if cfg.trainer.sft_steps:
-            rt.sync_weights()
-        rt.prepare_reference()
-        before = held_out(rt, cfg)
-        rl_s = rl_steps(rt, cfg)
-        after = held_out(rt, cfg)
-    finally:
-        rt.shutdown()
+            sft = sft_warm_start(parts.policy, parts.sft.episodes(parts.rollouts), cfg.trainer, parts.run_dir,
+                                 seed=cfg.model.seed, steps=cfg.trainer.sft_steps).as_metrics()
+            parts.sync.push()
+        parts.policy.prepare_reference(parts.rollouts.policy_version)
+        before = held_out(parts, cfg)
+        loop = Loop(rollouts=parts.rollouts, sampler=parts.sampler, policy=parts.policy, sync=parts.sync,
+                    checkpoints=parts.checkpoints, sink=parts.sink, domains=parts.pools.domains)
+        rl_s = rl_steps(loop, loop_config(cfg), parts.state).rl_seconds
+        after = held_out(parts, cfg)
     from rl.observe.sink import read_metrics
 
     rows = [r for r in read_metrics(run_dir) if "policy/version" in r]

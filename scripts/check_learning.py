@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl.config import load_config
     from rl.evaluate import paired_diff
     from rl.observe.sink import read_metrics
-    from rl.train import run
+    from rl.run import run
 
     cfg = load_config("basics.yaml", [f"run_dir={args.run_dir}", *args.overrides])
     summary = run(cfg)

@@ -16,18 +16,16 @@ keeps the bundles on the nodes started with that custom resource.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Sequence
 
+from rl.types import Reduce, SftStepResult, TrainResult
 from rl.trainer.batch import MicroBatching, TrainBatch, micro_rows, split_micro_batches
 
-# How per-rank metrics combine into the step's: summed, the slowest rank's, or rank 0's (equal on
-# every rank); anything else is a mean weighted by each rank's share of the step's sequences.
-_SUMMED = ("train/tokens", "train/forward_tokens", "train/micro_batches", "train/seqs", "value/loss")
-_SLOWEST = ("train/step_s", "train/busy_s", "train/old_logprob_s", "train/ref_logprob_s", "value/step_s",
-            "train/rss_gb", "train/peak_rss_gb")  # the largest rank's resident memory: the one Ray's OOM monitor would take first
-_RANK0 = ("train/grad_norm", "train/lr", "sft/grad_norm", "value/grad_norm")
-
+# Metric families the trainer itself reports: each such metric is a field of its record (rl/types.py) declaring
+# how ranks combine it; one without a field is refused rather than silently averaged.
+_TRAINER_FAMILIES = ("train/", "value/", "sft/", "trainer/")
+_ROUTING = "train/routing_replay_"
 
 @dataclass(frozen=True)
 class TrainerResources:
@@ -46,25 +44,40 @@ class TrainerResources:
                 **({self.node_resource: NODE_RESOURCE_UNIT} if self.node_resource else {})}
 
 
-def reduce_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from each rank's (see `_SUMMED`, `_SLOWEST`, `_RANK0`)."""
+def _combine(rule: Reduce, vals: list[tuple[Any, float]], total: float) -> Any:
+    if rule is Reduce.SUM:
+        return sum(v for v, _ in vals)
+    if rule is Reduce.MAX:
+        return max(v for v, _ in vals)
+    if rule is Reduce.RANK0 or total == 0:
+        return vals[0][0]
+    w = [(v, s) for v, s in vals if s > 0]  # SEQ_MEAN: each rank's mean over its share of the step's sequences
+    return sum(v * s for v, s in w) / sum(s for _, s in w) if w else vals[0][0]
+
+
+def reduce_rank_metrics(per_rank: Sequence[dict[str, float]], record: type = TrainResult) -> Any:
+    """One step's `record` (TrainResult, SftStepResult) from each rank's metrics: every field by the `Reduce` it
+    declares; the objective's and telemetry's statistics (TrainResult.per_seq) weighted by each rank's sequences."""
+    by_metric = {f.metadata["metric"]: f for f in fields(record) if f.metadata.get("metric")}
+    open_ended = "per_seq" in {f.name for f in fields(record)}
     total = sum(m.get("train/seqs", 0.0) for m in per_rank)
-    out: dict[str, float] = {}
+    kw: dict[str, Any] = {}
+    per_seq: dict[str, float] = {}
     for k in dict.fromkeys(k for m in per_rank for k in m):
         vals = [(m[k], m.get("train/seqs", 0.0)) for m in per_rank if k in m]
-        if k in _SUMMED:
-            out[k] = sum(v for v, _ in vals)
-        elif k in _SLOWEST:
-            out[k] = max(v for v, _ in vals)
-        elif k in _RANK0 or total == 0:
-            out[k] = vals[0][0]
+        if k.startswith(_ROUTING) and open_ended:
+            kw["routing_replay"] = k[len(_ROUTING):]
+        elif k in by_metric:
+            f = by_metric[k]
+            kw[f.name] = _combine(f.metadata["reduce"], vals, total)
+        elif open_ended and not k.startswith(_TRAINER_FAMILIES):
+            per_seq[k] = _combine(Reduce.SEQ_MEAN, vals, total)
         else:
-            w = [(v, s) for v, s in vals if s > 0]
-            out[k] = sum(v * s for v, s in w) / sum(s for _, s in w) if w else vals[0][0]
-    if "train/tokens_per_s" in out and out.get("train/step_s", 0.0) > 0:  # the step's tokens over its slowest rank
-        out["train/tokens_per_s"] = out["train/tokens"] / out["train/step_s"]
-    return out
-
+            raise ValueError(f"trainer metric {k!r} has no field in {record.__name__} (rl/types.py): declare it there "
+                             "with how ranks combine it")
+    if kw.get("tokens_per_s") is not None and (kw.get("step_s") or 0.0) > 0:  # the step's tokens over its slowest rank
+        kw["tokens_per_s"] = kw["tokens"] / kw["step_s"]
+    return record(**kw, per_seq=per_seq) if open_ended else record(**kw)
 
 class TrainerLostError(RuntimeError):
     """A trainer rank died (its process or its node): the step cannot complete; the run resumes from its checkpoint."""
@@ -98,9 +111,12 @@ def _free_port() -> int:
 class TrainerGroup:
     """The trainer ranks of a run, behind the calls the driver makes on "the trainer"."""
 
-    def __init__(self, workers: list[Any], micro_batch_size: "int | MicroBatching", placement_group: Any = None) -> None:
+    def __init__(self, workers: list[Any], micro_batch_size: "int | MicroBatching", placement_group: Any = None,
+                 sequence_parallel_size: int = 1) -> None:
         self.workers = workers
         self.micro_batch_size = micro_batch_size
+        # Each group of this many consecutive ranks shares every sequence (rl/trainer/ulysses.py): they get one shard.
+        self.sequence_parallel_size = sequence_parallel_size
         self.placement_group = placement_group
         self.processes: list[RankProcess] = []  # filled by `ready`
 
@@ -137,16 +153,23 @@ class TrainerGroup:
             addr, port = ray.get(probe.address.remote())
             ray.kill(probe)
             workers = [make(r, port, addr) for r in range(num_ranks)]
-        return cls(workers, spec.micro, pg)
+        return cls(workers, spec.micro, pg, getattr(spec, "sequence_parallel_size", 1))
 
     # ------------------------------------------------------------------ batch sharding
+    def _rank_parts(self, batch: TrainBatch) -> list[list[int]]:
+        """Each rank's rows: whole micro-batches dealt to the world_size / N sequence-parallel groups
+        (`split_micro_batches`), every rank of a group with its group's rows."""
+        sp = self.sequence_parallel_size
+        groups = split_micro_batches(batch, self.world_size // sp, self.micro_batch_size)
+        return [groups[r // sp] for r in range(self.world_size)]
+
     def _shards(self, batch: TrainBatch, parts: list[list[int]] | None = None) -> tuple[list[tuple[TrainBatch, bool]], int]:
         """Each rank's (shard, pad_only) and the common micro-batch count; `parts`: the rows of each
         rank when the caller already has them (`split_micro_batches`)."""
         if self.world_size == 1:
             return [(batch, False)], 0
         if parts is None:
-            parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
+            parts = self._rank_parts(batch)
         shards = [(batch.select(p), False) if p else (batch.select([0]), True) for p in parts]
         n_micro = max(len(micro_rows(s, self.micro_batch_size)) if not pad else 0 for s, pad in shards)
         return shards, n_micro
@@ -247,17 +270,18 @@ class TrainerGroup:
         shards, n_micro = self._shards(batch)
         return [w.rl_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]
 
-    def wait(self, refs: list[Any]) -> dict[str, float]:
-        m = reduce_rank_metrics(self._get(refs))
-        m["trainer/world_size"] = float(self.world_size)
-        return m
+    def wait(self, refs: list[Any]) -> TrainResult:
+        """The update's result over the ranks (`submit_rl_step`'s refs), with the group's world size."""
+        return replace(reduce_rank_metrics(self._get(refs)), world_size=self.world_size)
 
     def rl_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.wait(self.submit_rl_step(batch))
+        """One update, waited for: its metrics by name (tests and benchmarks; the driver uses submit / wait)."""
+        return self.wait(self.submit_rl_step(batch)).as_metrics()
 
-    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+    def sft_step(self, batch: TrainBatch) -> SftStepResult:
         shards, n_micro = self._shards(batch)
-        return reduce_rank_metrics(self._get([w.sft_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]))
+        return reduce_rank_metrics(self._get([w.sft_step.remote(s, n_micro, pad) for w, (s, pad) in zip(self.workers, shards)]),
+                                   SftStepResult)
 
     def _gather_rows(self, method: str, batch: TrainBatch):
         """A per-row result (logprobs [B, T]) computed on the ranks' shards, back in batch order."""
@@ -265,7 +289,7 @@ class TrainerGroup:
 
         if self.world_size == 1:
             return self._get(getattr(self.workers[0], method).remote(batch))
-        parts = split_micro_batches(batch, self.world_size, self.micro_batch_size)
+        parts = self._rank_parts(batch)
         shards, n_micro = self._shards(batch, parts)
         padded = method in ("compute_logprobs", "values")  # forwards through a (possibly ZeRO-3) engine
         args = [(s, n_micro, pad) if padded else (s,) for s, pad in shards]

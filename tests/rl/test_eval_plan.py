@@ -161,7 +161,8 @@ def test_bad_budgets_name_the_key(override, needles):
     assert load_config(None, base).eval.budget_episodes == 8
 
 
-def _fake_runtime(tmp_path, budget: int):
+def _fake_run(tmp_path, budget: int):
+    """`evaluate` over fake pools whose rollouts count the tasks they run; (run(label), pools, counts)."""
     fam = {f"{f}{i}": f for f, n in (("x", 4), ("y", 1)) for i in range(n)}
     mk = lambda d, i, split: Task(id=f"{d}-{split}-{i}", domain=d, prompt=(Message(role="user", content="q"),),
                                   public={"family": fam[d]})
@@ -174,21 +175,21 @@ def _fake_runtime(tmp_path, budget: int):
             ran[t.domain] = ran.get(t.domain, 0) + 1
         return [[SimpleNamespace(reward=1.0, loss_mask=(1,), num_turns=1)] * samples for _ in tasks]
 
-    rt = SimpleNamespace(cfg=cfg, domains=sorted(fam), env_ids={d: d for d in fam}, run_dir=tmp_path,
-                         train_tasks={d: [mk(d, 0, "train")] for d in fam},
-                         eval_tasks={d: [mk(d, i, "heldout") for i in range(10)] for d in fam}, run_groups=run_groups)
-    return rt, ran
+    pools = SimpleNamespace(domains=tuple(sorted(fam)), env_ids={d: d for d in fam}, train={d: [mk(d, 0, "train")] for d in fam},
+                            heldout={d: [mk(d, i, "heldout") for i in range(10)] for d in fam})
+    rollouts = SimpleNamespace(run_groups=run_groups)
+    return (lambda label: evaluate(rollouts, pools, cfg.eval, tmp_path, label, default_n=2, weights=cfg.envs.weights)), pools, ran
 
 
 def test_the_budget_changes_what_evaluate_runs(tmp_path):
-    rt, ran = _fake_runtime(tmp_path, budget=0)
-    evaluate(rt, "before")
-    assert ran == {d: 3 for d in rt.domains}  # eval.n_per_domain everywhere
-    rt, ran = _fake_runtime(tmp_path, budget=12)
-    rows = evaluate(rt, "before")
+    run, pools, ran = _fake_run(tmp_path, budget=0)
+    run("before")
+    assert ran == {d: 3 for d in pools.domains}  # eval.n_per_domain everywhere
+    run, pools, ran = _fake_run(tmp_path, budget=12)
+    rows = run("before")
     # 12 tasks: 5 floors, 7 more split evenly over families x and y (y's one domain takes 3 or 4 more)
     assert sum(ran.values()) == 12 and min(ran.values()) >= 1 and ran["y0"] in (4, 5)
     assert {r.domain: r.n for r in rows} == ran
-    rt, ran = _fake_runtime(tmp_path, budget=2)
-    evaluate(rt, "before")
+    run, pools, ran = _fake_run(tmp_path, budget=2)
+    run("before")
     assert sum(ran.values()) == 2 and {d[0] for d in ran} == {"x", "y"}  # under one per domain: both families first

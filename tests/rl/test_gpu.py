@@ -73,7 +73,7 @@ def test_gpu_settings_are_refused_at_config_time_naming_the_key(overrides, needl
 
 def test_gpu_settings_that_fit_validate_and_dry_run_shows_the_gpus():
     from rl.config import load_config
-    from rl.runtime import describe_placement
+    from rl.placement import describe_placement
 
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         "trainer.gpus_per_rank=1", "rollout.gpus_per_worker=2", "rollout.tensor_parallel_size=2", "rollout.num_workers=2",
@@ -93,7 +93,7 @@ def test_start_up_refuses_gpus_ray_does_not_have(monkeypatch, caplog):
     import ray
 
     from rl.config import ConfigError, load_config
-    from rl.runtime import check_gpu_resources
+    from rl.placement import check_gpu_resources
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -225,17 +225,17 @@ def _perturb(trainer, scale: float, seed: int) -> None:
     ray.get([w.__ray_call__.remote(move, scale, seed) for w in trainer.workers])
 
 
-def _sync_and_gap(rt, label: str) -> dict[str, float]:
+def _sync_and_gap(parts, label: str) -> dict[str, float]:
     """Gap on the loaded weights, after moving the trainer's (stale engine), after a sync, and after a second move + sync."""
     groups = _episodes(4, 96, seed=0)
-    same = rt.measure_gap(groups)
-    _perturb(rt.trainer, 0.05, seed=1)
-    stale = rt.measure_gap(groups)
-    m1 = rt.sync_weights()
-    gap1 = rt.measure_gap(groups)
-    _perturb(rt.trainer, 0.05, seed=2)
-    m2 = rt.sync_weights()
-    gap2 = rt.measure_gap(groups)
+    same = parts.sync.gap(groups).as_metrics()
+    _perturb(parts.policy.trainer, 0.05, seed=1)
+    stale = parts.sync.gap(groups).as_metrics()
+    m1 = parts.sync.push().as_metrics()
+    gap1 = parts.sync.gap(groups).as_metrics()
+    _perturb(parts.policy.trainer, 0.05, seed=2)
+    m2 = parts.sync.push().as_metrics()
+    gap2 = parts.sync.gap(groups).as_metrics()
     fig = {"gap_mean_at_start": same["mismatch/logprob_abs_mean"], "gap_mean_stale": stale["mismatch/logprob_abs_mean"],
            "gap_mean_after_sync": gap1["mismatch/logprob_abs_mean"], "gap_max_after_sync": gap1["mismatch/logprob_abs_max"],
            "gap_mean_after_2nd_sync": gap2["mismatch/logprob_abs_mean"], "sync_s": m1["sync/seconds"], "sync2_s": m2["sync/seconds"],
@@ -282,14 +282,14 @@ def test_engine_builds_with_nccl_weight_transfer(tiny_qwen_moe):
 @pytest.mark.skipif(GPUS < 2, reason=NO_CUDA if GPUS == 0 else NEEDS_TWO)
 def test_nccl_sync_then_engine_matches_trainer(tiny_qwen_moe, tmp_path):
     """Trainer rank 0 on one GPU broadcasts over NCCL into the engine on another; the gap closes after each sync."""
-    from rl.runtime import Runtime
+    from rl.setup import start_run
 
-    rt = Runtime.start(_cfg(tiny_qwen_moe, tmp_path / "run", ["trainer.gpus_per_rank=1", "rollout.gpus_per_worker=1",
+    parts = start_run(_cfg(tiny_qwen_moe, tmp_path / "run", ["trainer.gpus_per_rank=1", "rollout.gpus_per_worker=1",
                                                               "trainer.sync_transport=nccl"]))
     try:
-        fig = _sync_and_gap(rt, "nccl_sync_then_gap")
+        fig = _sync_and_gap(parts, "nccl_sync_then_gap")
     finally:
-        rt.shutdown()
+        parts.close()
     assert fig["sync_nccl"] == 1.0
 
 
@@ -299,15 +299,15 @@ def test_nccl_sync_then_engine_matches_trainer(tiny_qwen_moe, tmp_path):
 def test_tensor_parallel_2_engine_matches_trainer_after_sync(tiny_qwen_moe, tmp_path):
     """A TP=2 engine on two GPUs serves what the trainer computes after a sync: over NCCL with a third GPU
     for the trainer, else through the bucket path (pickled to both TP ranks) with a trainer Ray gives no GPU."""
-    from rl.runtime import Runtime
+    from rl.setup import start_run
 
     placement = (["trainer.gpus_per_rank=1", "trainer.sync_transport=nccl"] if GPUS >= 3 else ["trainer.gpus_per_rank=0"])
-    rt = Runtime.start(_cfg(tiny_qwen_moe, tmp_path / "run", ["rollout.gpus_per_worker=2", "rollout.tensor_parallel_size=2",
+    parts = start_run(_cfg(tiny_qwen_moe, tmp_path / "run", ["rollout.gpus_per_worker=2", "rollout.tensor_parallel_size=2",
                                                               *placement]))
     try:
-        fig = _sync_and_gap(rt, f"tensor_parallel_2_{'nccl' if GPUS >= 3 else 'buckets'}")
+        fig = _sync_and_gap(parts, f"tensor_parallel_2_{'nccl' if GPUS >= 3 else 'buckets'}")
     finally:
-        rt.shutdown()
+        parts.close()
     assert fig["sync_nccl"] == (1.0 if GPUS >= 3 else 0.0)
 
 

@@ -123,7 +123,7 @@ def test_node_resource_keys_are_validated_placed_and_checked_at_start(monkeypatc
     import ray
 
     from rl.config import ConfigError, load_config
-    from rl.runtime import check_node_resources, describe_placement
+    from rl.placement import check_node_resources, describe_placement
     from rl.trainer.group import TrainerResources
 
     for bad, why in (("CPU", "is a resource Ray counts on every node"), ("trainer node", "must not contain whitespace")):
@@ -145,12 +145,12 @@ def test_node_resource_keys_are_validated_placed_and_checked_at_start(monkeypatc
         check_node_resources(cfg)
     check_node_resources(cfg, with_trainer=False)  # evaluation starts no trainer
     records = _Records()
-    logging.getLogger("jointrl.runtime").addHandler(records)
+    logging.getLogger("jointrl").addHandler(records)
     try:
         monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
         check_node_resources(cfg)
     finally:
-        logging.getLogger("jointrl.runtime").removeHandler(records)
+        logging.getLogger("jointrl").removeHandler(records)
     assert len(records.messages) == 1 and "its ranks wait until a node started with" in records.messages[0]
 
 
@@ -167,18 +167,18 @@ class _Records(logging.Handler):
 def test_trainer_node_loss_fails_the_step_and_jointrl_train_resumes(nodes, tiny_qwen_moe, tmp_path):
     from rl.cli import main as jointrl
     from rl.config import load_config
-    from rl.runtime import Runtime
-    from rl.train import run
+    from rl.setup import start_run
+    from rl.run import run
     from rl.trainer.group import TrainerLostError
 
     run_dir = tmp_path / "run"
     ov = _overrides(tiny_qwen_moe, run_dir)
     cfg = load_config(None, ov)
-    rt = Runtime.start(cfg)
+    parts = start_run(cfg)
     try:
-        assert rt.trainer.node_ids() == [nodes.trainer.node_id]
-        assert rt.rollout_engine.reader_nodes()[0] in {n.node_id for n in nodes.rollout}
-        orig_rollout, orig_submit = rt.rollout, rt.submit_train
+        assert parts.policy.trainer.node_ids() == [nodes.trainer.node_id]
+        assert parts.rollouts.engine.reader_nodes()[0] in {n.node_id for n in nodes.rollout}
+        orig_rollout, orig_submit = parts.rollouts.rollout, parts.policy.submit
 
         def rollout(tasks, step, *a, **kw):
             groups, m = orig_rollout(tasks, step, *a, **kw)
@@ -192,11 +192,11 @@ def test_trainer_node_loss_fails_the_step_and_jointrl_train_resumes(nodes, tiny_
                 nodes.remove(nodes.trainer)
             return pending
 
-        rt.rollout, rt.submit_train = rollout, submit_then_lose_the_trainer_node
+        parts.rollouts.rollout, parts.policy.submit = rollout, submit_then_lose_the_trainer_node
         with pytest.raises(TrainerLostError) as lost:
-            run(cfg, runtime=rt)
+            run(cfg, parts)
     finally:
-        rt.shutdown()
+        parts.close()
     msg = str(lost.value)
     print("the failed step said:", msg)
     assert msg.startswith("trainer rank 0 was lost") and "run `jointrl train` again with the same config" in msg
@@ -207,7 +207,7 @@ def test_trainer_node_loss_fails_the_step_and_jointrl_train_resumes(nodes, tiny_
     # a new trainer node joins (as an autoscaler or an operator would add one) and the run resumes.
     nodes.wait_until_gone("trainer_node")
     records = _Records()
-    logging.getLogger("jointrl.runtime").addHandler(records)
+    logging.getLogger("jointrl").addHandler(records)
     waiting = "no node of the Ray cluster offers resource 'trainer_node'"
 
     result: dict = {}
@@ -229,7 +229,7 @@ def test_trainer_node_loss_fails_the_step_and_jointrl_train_resumes(nodes, tiny_
         nodes.trainer = nodes.add("trainer_node")
         rerun.join(timeout=600)
     finally:
-        logging.getLogger("jointrl.runtime").removeHandler(records)
+        logging.getLogger("jointrl").removeHandler(records)
     print(f"resumed run: {result}")
     assert not rerun.is_alive() and result.get("rc") == 0, result
     assert any(waiting in m and "wait until a node started with" in m for m in records.messages), records.messages
@@ -247,21 +247,21 @@ def test_rollout_node_loss_recreates_the_worker_and_the_step_completes(nodes, ti
     import ray
 
     from rl.config import load_config
-    from rl.runtime import Runtime
-    from rl.train import run
+    from rl.setup import start_run
+    from rl.run import run
 
     run_dir = tmp_path / "run"
     cfg = load_config(None, _overrides(tiny_qwen_moe, run_dir))
-    rt = Runtime.start(cfg)
+    parts = start_run(cfg)
     removed: dict = {}
     served: list[tuple[list, int]] = []  # step 1: (request seeds, results) of every dispatcher call
     try:
-        trainer_nodes = rt.trainer.node_ids()
-        first = rt.rollout_engine.reader_nodes()[0]
+        trainer_nodes = parts.policy.trainer.node_ids()
+        first = parts.rollouts.engine.reader_nodes()[0]
         victim = next(n for n in nodes.rollout if n.node_id == first)
         survivor = next(n for n in nodes.rollout if n.node_id != first)
         assert trainer_nodes == [nodes.trainer.node_id] and first != trainer_nodes[0]
-        orig_rollout, orig_generate = rt.rollout, rt.rollout_engine.generate
+        orig_rollout, orig_generate = parts.rollouts.rollout, parts.rollouts.engine.generate
 
         def remove_while_generating(handle, stop: threading.Event) -> None:
             while not stop.is_set():
@@ -282,7 +282,7 @@ def test_rollout_node_loss_recreates_the_worker_and_the_step_completes(nodes, ti
                 return orig_rollout(tasks, step, *a, **kw)
             removed["step1"] = True
             stop = threading.Event()
-            t = threading.Thread(target=remove_while_generating, args=(rt.rollout_engine.handles[0], stop))
+            t = threading.Thread(target=remove_while_generating, args=(parts.rollouts.engine.handles[0], stop))
             t.start()
             try:
                 groups, m = orig_rollout(tasks, step, *a, **kw)
@@ -292,12 +292,12 @@ def test_rollout_node_loss_recreates_the_worker_and_the_step_completes(nodes, ti
             removed["groups"] = groups
             return groups, m
 
-        rt.rollout, rt.rollout_engine.generate = rollout, generate
-        run(cfg, runtime=rt)
-        after = rt.rollout_engine.reader_nodes()
-        restarts = rt.rollout_engine.restarts
+        parts.rollouts.rollout, parts.rollouts.engine.generate = rollout, generate
+        run(cfg, parts)
+        after = parts.rollouts.engine.reader_nodes()
+        restarts = parts.rollouts.engine.restarts
     finally:
-        rt.shutdown()
+        parts.close()
         if "pending" in removed:
             nodes.rollout.remove(victim)
     assert removed.get("pending"), "the rollout node was not removed while its worker was generating"

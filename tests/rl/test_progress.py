@@ -14,13 +14,11 @@ from types import SimpleNamespace
 import envs
 from jointrl.records import Task
 from rl.config import load_config
-from rl.types import Episode
+from rl.types import Episode, SftStepResult
 
 
 class EngineSideStandIn:
-    def __init__(self, cfg, run_dir, tasks):
-        self.cfg, self.run_dir, self.domains = cfg, run_dir, ["terminal"]
-        self.eval_tasks = {"terminal": tasks}
+    """Rollouts whose episodes are an environment reset each (no engine)."""
 
     def make_env(self, task):
         return envs.make("terminal-basics-v0")
@@ -49,14 +47,15 @@ def test_evaluation_shows_a_bar_per_episode_and_logs_its_start_and_end(tmp_path,
     setup_logging("INFO")
     cfg = load_config(None, ["eval.n_per_domain=3", "eval.samples=2", "eval.temperature=1.0"])
     tasks = [Task.from_row(r) for r in envs.tasks("terminal-basics-v0", "heldout", seed=0, n=3)]
-    rt = EngineSideStandIn(cfg, tmp_path, tasks)
-    rows = evaluate(rt, "before")
+    rollouts = EngineSideStandIn()
+    pools = SimpleNamespace(domains=("terminal",), heldout={"terminal": tasks})
+    rows = evaluate(rollouts, pools, cfg.eval, tmp_path, "before", default_n=2, weights=cfg.envs.weights)
     err = capsys.readouterr().err
     assert rows[0].n == 3 and rows[0].samples == 2 and abs(rows[0].success - 2 / 3) < 1e-9
     assert "held-out evaluation 'before': 6 episodes over 1 domain(s)" in err
     assert "eval before" in err and "6/6" in err and ("ep/s" in err or "s/ep" in err)
     assert "held-out evaluation 'before': 6 episodes in" in err
-    assert "make_env" not in vars(rt)  # the counting wrapper is gone afterwards
+    assert "make_env" not in vars(rollouts)  # the counting wrapper is gone afterwards
     assert json.loads((tmp_path / "eval_before.json").read_text())[0]["n"] == 3
 
 
@@ -69,10 +68,9 @@ def test_the_control_arm_bar_counts_its_seconds(tmp_path, monkeypatch, capsys):
     cfg = load_config(None, [f"run_dir={tmp_path}", "trainer.micro_batch_size=1"])
     eps = [Episode(task_id="t", domain="terminal", group_id="g", token_ids=(1, 2), loss_mask=(0, 1), rollout_logprobs=(0.0, 0.0),
                    messages=(), reward=1.0)]
-    trainer = SimpleNamespace(set_lr=lambda lr: None, sft_step=lambda b: time.sleep(0.3) or {"sft/nll": 0.5})
-    rt = SimpleNamespace(cfg=cfg, run_dir=tmp_path, trainer=trainer, _sft_episodes=eps, batch_of=lambda c, a: c,
-                         refresh_versions=lambda: None)
-    m = sft_train(rt, seconds=2.0, label="sft_control")
+    policy = SimpleNamespace(set_lr=lambda lr: None, sft_step=lambda b: time.sleep(0.3) or SftStepResult(nll=0.5),
+                             batch_of=lambda c, a: c, refresh_versions=lambda: 0)
+    m = sft_train(policy, eps, cfg.trainer, tmp_path, seed=cfg.model.seed, seconds=2.0, label="sft_control")
     err = capsys.readouterr().err
-    assert m["sft/steps"] >= 3
+    assert m.steps >= 3
     assert "sft_control" in err and "/2 [" in err and "step " in err and "nll 0.500" in err

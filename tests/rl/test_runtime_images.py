@@ -1,20 +1,20 @@
-"""rl/runtime.py: what `rollout.max_images_per_prompt` / `rollout.image_pixels` give the agent loop, and the
+"""rl/setup.py: what `rollout.max_images_per_prompt` / `rollout.image_pixels` give the agent loop, and the
 refusal for a checkpoint without a vision tower (before any worker starts)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 from model.configuration import HybridMoeConfig
 from model.vision import VisionSpec
 from rl.config import ConfigError, load_config
-from rl.runtime import Runtime
+from rl.setup import image_settings
 
 
 def _settings(tmp_path, config, overrides):
     config.save_pretrained(tmp_path)
-    return Runtime._image_settings(SimpleNamespace(cfg=load_config(None, overrides)), tmp_path)
+    cfg = load_config(None, overrides)
+    return image_settings(cfg.rollout, cfg.model.arch, tmp_path)
 
 
 def test_image_keys_reach_the_loop_settings(tmp_path):

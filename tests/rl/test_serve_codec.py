@@ -53,7 +53,7 @@ def _req(codec, **kw):
 def test_serve_picks_the_codec_the_way_training_does(chatml_dir, tmp_path):
     from model.shipped import copy_tokenizer
     from rl.config import ModelSection
-    from rl.runtime import build_codec as training_codec
+    from rl.setup import build_codec as training_codec
 
     shipped = copy_tokenizer(tmp_path / "shipped")
     (shipped / "config.json").write_text("{}")

@@ -14,14 +14,17 @@ from rl.config import ConfigError, load_config
 ENV_ID = "terminal-basics-v0"
 
 
-def _runtime(cfg, train, held):
+def _sft_set(cfg, train, held):
+    """The run's SftSet over one domain's pools, and rollouts that make its environments (no engine)."""
     from model.chat import IM_END_ID, load_tokenizer
     from rl.rollout.codec import as_codec
+    from rl.sft import SftSet
 
     tok = load_tokenizer()
-    return types.SimpleNamespace(cfg=cfg, domains=["terminal"], train_tasks={"terminal": train}, eval_tasks={"terminal": held},
-                                 make_env=lambda t: envs.make(ENV_ID), tok=tok,
-                                 codec=as_codec(__import__("model.chat", fromlist=["x"]), tok, end_token_id=IM_END_ID))
+    pools = types.SimpleNamespace(domains=("terminal",), train={"terminal": train}, heldout={"terminal": held})
+    rollouts = types.SimpleNamespace(make_env=lambda t: envs.make(ENV_ID), tok=tok,
+                                     codec=as_codec(__import__("model.chat", fromlist=["x"]), tok, end_token_id=IM_END_ID))
+    return SftSet.load(pools, cfg.trainer, sandbox_slots=cfg.envs.sandbox_slots, max_model_len=cfg.rollout.max_model_len), rollouts
 
 
 def _tasks():
@@ -34,7 +37,6 @@ def test_demonstrations_replace_references_and_keep_wrong_ones(tmp_path):
     """A file of 6 demonstrations, 3 of them another family's command (scripts/make_demonstrations.py): all 6
     become episodes, the wrong ones with reward 0 and their own tokens, the right ones with reward 1."""
     from scripts.make_demonstrations import demonstrations
-    from rl.sft import sft_data
 
     lines, n_wrong = demonstrations(ENV_ID, 6, wrong=0.5, seed=3)
     assert 0 < n_wrong < 6
@@ -42,8 +44,8 @@ def test_demonstrations_replace_references_and_keep_wrong_ones(tmp_path):
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     train, held = _tasks()
     cfg = load_config(None, [f"trainer.sft_data={path}", "envs.sandbox_slots=2"])
-    rt = _runtime(cfg, train, held)
-    eps = {e.task_id: e for e in sft_data(rt)}
+    sft, rollouts = _sft_set(cfg, train, held)
+    eps = {e.task_id: e for e in sft.episodes(rollouts)}
     assert list(eps) == [x["task_id"] for x in lines]          # the file's tasks, none of the references' choice
     env = envs.make(ENV_ID)
     try:
@@ -56,7 +58,7 @@ def test_demonstrations_replace_references_and_keep_wrong_ones(tmp_path):
     assert len(wrong) == n_wrong
     for tid, e in eps.items():
         assert e.reward == (0.0 if tid in wrong else 1.0), tid   # graded by the real sandbox, kept either way
-        said = rt.tok.decode([t for t, m in zip(e.token_ids, e.loss_mask) if m])
+        said = rollouts.tok.decode([t for t, m in zip(e.token_ids, e.loss_mask) if m])
         cmd = json.loads(next(x for x in lines if x["task_id"] == tid)["messages"][0]["tool_calls"][0]["function"]["arguments"])["command"]
         assert cmd in said                                        # the loss is on the demonstration's own turns
 
@@ -89,11 +91,11 @@ def test_pose_blind_mistakes_keep_the_numbers_and_misplace_the_solid():
 
 
 def test_without_the_key_the_references_make_the_set(tmp_path):
-    from rl.sft import sft_data
 
     train, held = _tasks()
     cfg = load_config(None, ["trainer.sft_tasks_per_domain=2", "envs.sandbox_slots=2"])
-    eps = sft_data(_runtime(cfg, train, held))
+    sft, rollouts = _sft_set(cfg, train, held)
+    eps = sft.episodes(rollouts)
     assert [e.task_id for e in eps] == [t.id for t in train[:2]] and all(e.reward == 1.0 for e in eps)
 
 

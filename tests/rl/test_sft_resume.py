@@ -15,7 +15,7 @@ import pytest
 
 from rl.config import load_config
 from rl.sft import SFT_META, read_sft_checkpoint, sft_warm_start
-from rl.types import Episode
+from rl.types import Episode, SftStepResult
 
 
 class Killed(Exception):
@@ -31,11 +31,11 @@ class RecordingTrainer:
     def set_lr(self, lr: float) -> None:
         pass
 
-    def sft_step(self, batch) -> dict[str, float]:
+    def sft_step(self, batch) -> SftStepResult:
         if self.kill_after is not None and len(self.seen) == self.kill_after:
             raise Killed
         self.seen.append(batch)
-        return {"sft/nll": 1.0 / len(self.seen)}
+        return SftStepResult(nll=1.0 / len(self.seen))
 
     def save_checkpoint(self, path: str, client_state=None) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -47,36 +47,38 @@ class RecordingTrainer:
         return {}
 
 
-def _rt(tmp_path: Path, trainer: RecordingTrainer, every: int):
+def _warm_start(tmp_path: Path, trainer: RecordingTrainer, every: int, steps: int, checkpoint_dir: Path):
+    """`sft_warm_start` with `trainer` as the policy client (batches: the chosen task ids)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, [f"run_dir={tmp_path}", "trainer.micro_batch_size=2", f"trainer.checkpoint_every={every}"])
     eps = [Episode(task_id=f"t{i}", domain="terminal", group_id=f"sft:t{i}", token_ids=(1, 2), loss_mask=(0, 1),
                    rollout_logprobs=(0.0, 0.0), messages=(), reward=1.0) for i in range(7)]
-    return SimpleNamespace(cfg=cfg, run_dir=tmp_path, trainer=trainer, _sft_episodes=eps,
-                           batch_of=lambda chosen, adv: tuple(e.task_id for e in chosen), refresh_versions=lambda: None)
+    trainer.batch_of = lambda chosen, adv: tuple(e.task_id for e in chosen)
+    trainer.refresh_versions = lambda: 0
+    return sft_warm_start(trainer, eps, cfg.trainer, tmp_path, seed=cfg.model.seed, steps=steps, checkpoint_dir=checkpoint_dir)
 
 
 def test_sft_resumes_from_its_checkpoint_with_the_same_batches(tmp_path, monkeypatch):
     monkeypatch.setenv("JOINTRL_PROGRESS", "0")
     whole = RecordingTrainer()
-    sft_warm_start(_rt(tmp_path / "a", whole, every=3), 10, checkpoint_dir=tmp_path / "a" / "snap")
+    _warm_start(tmp_path / "a", whole, 3, 10, tmp_path / "a" / "snap")
     assert len(whole.seen) == 10 and read_sft_checkpoint(tmp_path / "a" / "snap")["done"] is True
 
     run = tmp_path / "b"
     snap = run / "snap"
     killed = RecordingTrainer(kill_after=7)
     with pytest.raises(Killed):
-        sft_warm_start(_rt(run, killed, every=3), 10, checkpoint_dir=snap)
+        _warm_start(run, killed, 3, 10, snap)
     meta = json.loads((snap / SFT_META).read_text())
     assert meta["sft_step"] == 6 and meta["done"] is False  # saved at steps 3 and 6, killed in step 8
 
     again = RecordingTrainer()
-    m = sft_warm_start(_rt(run, again, every=3), 10, checkpoint_dir=snap)
-    assert again.loads == 1 and m["sft/steps"] == 10.0
+    m = _warm_start(run, again, 3, 10, snap)
+    assert again.loads == 1 and m.steps == 10
     assert again.seen == whole.seen  # steps 7-10 drew the batches of an uninterrupted run
     rows = [json.loads(x) for x in (run / "sft_metrics.jsonl").read_text().splitlines()]
     assert [r["sft_step"] for r in rows] == [*range(7), *range(6, 10)]  # step 7 ran once before the kill, then again
 
     done = RecordingTrainer()
-    sft_warm_start(_rt(run, done, every=3), 10, checkpoint_dir=snap)  # a finished SFT is not redone
+    _warm_start(run, done, 3, 10, snap)  # a finished SFT is not redone
     assert done.loads == 1 and done.seen == whole.seen

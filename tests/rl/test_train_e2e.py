@@ -48,40 +48,40 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     import ray
 
     from rl.observe.sink import read_metrics
-    from rl.runtime import Runtime
-    from rl.train import run
+    from rl.setup import start_run
+    from rl.run import run
 
     run_dir, run_dir2 = tmp_path / "run", tmp_path / "run_resumed"
     cfg = _cfg(tiny_qwen_moe, run_dir, steps=3)
     if ray.is_initialized():  # an instance an earlier test left in this process (with Ray's own niceness): the run starts its own
         ray.shutdown()
-    rt = Runtime.start(cfg)
+    parts = start_run(cfg)
     try:
-        # A run's workers start at niceness 0 (rl/runtime.py), not Ray's default 15.
+        # A run's workers start at niceness 0 (rl/placement.py), not Ray's default 15.
         assert ray.get(ray.remote(num_cpus=0)(_niceness).remote()) == 0
-        w0 = ray.get(rt.trainer.export_weights(1024.0)[0])
+        w0 = ray.get(parts.policy.trainer.export_weights(1024.0)[0])
         # Kill the rollout worker after the first RL step: the dispatcher must restart it with the latest weights.
-        orig_rollout, orig_checkpoint = rt.rollout, rt.checkpoint
+        orig_rollout, orig_checkpoint = parts.rollouts.rollout, parts.checkpoints.save
         calls = {"n": 0}
 
         def rollout_then_kill(tasks, step):
             out = orig_rollout(tasks, step)
             calls["n"] += 1
             if calls["n"] == 1:  # RL step 0 (the "before" eval runs episodes directly, not through rollout)
-                ray.kill(rt.rollout_engine.handles[0], no_restart=True)
+                ray.kill(parts.rollouts.engine.handles[0], no_restart=True)
             return out
 
-        def checkpoint_then_copy(step):
-            orig_checkpoint(step)
-            if step == 2:  # "kill" the run here: a copy of its directory as it stands after the step-2 checkpoint
+        def checkpoint_then_copy(state, sampler):
+            orig_checkpoint(state, sampler)
+            if state.step == 2:  # "kill" the run here: a copy of its directory as it stands after the step-2 checkpoint
                 shutil.copytree(run_dir, run_dir2)
 
-        rt.rollout, rt.checkpoint = rollout_then_kill, checkpoint_then_copy
-        summary = run(cfg, runtime=rt)
-        w1 = ray.get(rt.trainer.export_weights(1024.0)[0])
-        restarts = rt.rollout_engine.restarts
+        parts.rollouts.rollout, parts.checkpoints.save = rollout_then_kill, checkpoint_then_copy
+        summary = run(cfg, parts)
+        w1 = ray.get(parts.policy.trainer.export_weights(1024.0)[0])
+        restarts = parts.rollouts.engine.restarts
     finally:
-        rt.shutdown()
+        parts.close()
 
     from rl.weights import unpack_bucket
 
@@ -115,12 +115,12 @@ def test_rl_steps_sync_kill_and_resume(tiny_qwen_moe, tmp_path):
     meta2 = json.loads((run_dir2 / "checkpoint" / "meta.json").read_text())
     assert meta2["step"] == 2
     cfg2 = _cfg(tiny_qwen_moe, run_dir2, steps=3)
-    rt2 = Runtime.start(cfg2)
+    parts2 = start_run(cfg2)
     try:
-        assert rt2.start_step == 2 and rt2.policy_version == meta2["policy_version"]
-        run(cfg2, runtime=rt2)
+        assert parts2.state.step == 2 and parts2.state.policy_version == meta2["policy_version"]
+        run(cfg2, parts2)
     finally:
-        rt2.shutdown()
+        parts2.close()
     # the resumed run's "before" arm is the first run's evaluation, not one of its step-2 checkpoint
     assert (run_dir2 / "eval_before.json").read_text() == (run_dir / "eval_before.json").read_text()
     resumed = [r for r in read_metrics(run_dir2) if "reward/mean/terminal" in r]

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 def test_two_ranks_zero3_async_ppo_with_bounded_staleness(tmp_path):
     from rl.config import load_config
     from rl.observe.sink import read_metrics
-    from rl.runtime import Runtime
-    from rl.train import run
+    from rl.setup import start_run
+    from rl.run import run
     from tests.helpers.checkpoints import build_test_checkpoint
 
     ckpt = build_test_checkpoint(tmp_path / "qmoe")
@@ -34,14 +34,14 @@ def test_two_ranks_zero3_async_ppo_with_bounded_staleness(tmp_path):
         "trainer.async_mode=true", "trainer.max_staleness=2",
         "trainer.lr=1e-3", "trainer.steps=4", "eval.n_per_domain=1", "logging.wandb_mode=disabled",
     ])
-    rt = Runtime.start(cfg)
+    parts = start_run(cfg)
     try:
-        run(cfg, runtime=rt)
+        run(cfg, parts)
         # Nothing is in flight after the run: one more rollout, then engine vs trainer on its tokens.
-        groups, _ = rt.rollout(rt.sampler.sample(2), step=99)
-        gap = rt.measure_gap(groups)
+        groups, _ = parts.rollouts.rollout(parts.sampler.sample(2), step=99)
+        gap = parts.sync.gap(groups).as_metrics()
     finally:
-        rt.shutdown()
+        parts.close()
     rows = read_metrics(tmp_path / "run")
     trained = [r for r in rows if "rollout/max_staleness_seen" in r]
     lags = [r["rollout/max_staleness_seen"] for r in trained]

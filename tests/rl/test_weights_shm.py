@@ -489,7 +489,7 @@ def test_files_of_a_ray_killed_actor_are_removed(shm_dir, ray_local):
     owner = ray.remote(num_cpus=0)(AreaOwner).remote(shm_dir)
     paths = ray.get(owner.write.remote())
     assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
-    ray.kill(owner)  # what Runtime.shutdown does to the trainer: no Python cleanup runs
+    ray.kill(owner)  # what RunParts.close does to the trainer: no Python cleanup runs
     deadline = time.monotonic() + 20
     while os.listdir(shm_dir) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -136,12 +136,12 @@ def test_blank_arm_text_only_policy_and_a_text_only_env(tasks, backend):
     assert plain.messages[1] == t.prompt[1]  # the prompt exactly as the task has it: no image, no note
 
 
-def test_the_runtime_turns_prompt_views_on_only_for_a_policy_that_takes_images(tasks):
-    from rl.runtime import Runtime
+def test_the_task_pools_turn_prompt_views_on_only_for_a_policy_that_takes_images(tasks):
+    from rl.tasks import TaskPools
 
     for n, want in [(0, False), (2, True)]:
-        rt = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(max_images_per_prompt=n)), env_ids={"cad": "cad-v0"})
-        env = Runtime.make_env(rt, tasks[0])
+        pools = TaskPools(domains=("cad",), env_ids={"cad": "cad-v0"}, train={}, heldout={}, prompt_views=n > 0)
+        env = pools.make_env(tasks[0])
         try:
             assert env.prompt_views is want
         finally:

@@ -263,7 +263,7 @@ def test_default_codec_follows_the_checkpoint(dirs, tmp_path):
 
 def test_runtime_builds_the_configured_codec_and_keeps_a_checkpoints_own_tokenizer(dirs, tmp_path):
     from rl.config import ModelSection
-    from rl.runtime import build_codec, build_initial_checkpoint
+    from rl.setup import build_codec, build_initial_checkpoint
 
     out = build_initial_checkpoint(str(dirs["chatml"]), tmp_path / "init", seed=0)
     assert not (out / "special_tokens_map.json").exists()  # no shipped tokenizer file mixed in

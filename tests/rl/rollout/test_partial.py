@@ -130,12 +130,13 @@ def test_a_step_with_one_long_episode_ends_when_the_short_ones_are_done():
     assert pol2.requests == 7 * 3 + long_turns and rounds_partial < 7 * 3 + 8
 
 
-def test_config_keys_reach_the_loop_and_the_runtime_rolls_out_partially():
-    """rollout.context* become the loop's ContextSettings; rollout.partial / step_token_budget make Runtime.rollout
-    carry unfinished episodes to the next call (a Runtime without Ray: the engine is the trail-playing double)."""
+def test_config_keys_reach_the_loop_and_the_rollouts_roll_out_partially():
+    """rollout.context* become the loop's ContextSettings; rollout.partial / step_token_budget make Rollouts.rollout
+    carry unfinished episodes to the next call (Rollouts without Ray: the engine is the trail-playing double)."""
+    import envs
     from rl.config import load_config
-    from rl.rollout.multimodal import ImageSettings
-    from rl.runtime import Runtime, loop_settings_for
+    from rl.rollout.rollouts import Rollouts
+    from rl.setup import loop_settings_for
 
     codec = make_codec("jointrl", None)
     cfg = load_config(None, ["rollout.context=window", "rollout.context_keep_turns=2", "rollout.context_budget_tokens=900",
@@ -151,17 +152,21 @@ def test_config_keys_reach_the_loop_and_the_runtime_rolls_out_partially():
         def generate(self, reqs):
             return asyncio.run(pol(list(reqs)))
 
-    rt = Runtime(load_config(None, ["rollout.context=full", "rollout.partial=on", "rollout.step_token_budget=300",
-                                    "algorithm.group_size=1", "envs.max_turns=40", "rollout.max_model_len=8192"]))
-    rt.codec, rt.tok, rt.think_ids, rt.image_settings = codec, codec.tokenizer, None, ImageSettings()
-    rt.env_ids, rt.domains, rt.rollout_engine = {"terminal": ENV}, ["terminal"], Engine()
-    groups, m = rt.rollout(tasks, step=0)
+    cfg = load_config(None, ["rollout.context=full", "rollout.partial=on", "rollout.step_token_budget=300",
+                             "algorithm.group_size=1", "envs.max_turns=40", "rollout.max_model_len=8192"])
+    r = cfg.rollout
+    rollouts = Rollouts(Engine(), lambda t: envs.make(ENV), codec, loop_settings_for(cfg, codec), group_size=cfg.algorithm.group_size,
+                  seed=cfg.envs.seed, max_concurrent=r.max_concurrent_episodes, partial=r.partial == "on",
+                  step_token_budget=r.step_token_budget)
+    groups, stats = rollouts.rollout(tasks, step=0)
+    m = stats.as_metrics()
     assert groups == [] and m["rollout/partial_episodes"] == 2.0
     finished, most = [], 0.0
     for step in range(1, 16):
-        rt.policy_version = step
+        rollouts.policy_version = step
         pol.version = min(step, 2)
-        groups, m = rt.rollout([], step=step)
+        groups, stats = rollouts.rollout([], step=step)
+        m = stats.as_metrics()
         finished += groups
         most = max(most, m.get("rollout/policy_versions_per_episode_max", 0.0))
         if len(finished) == 2:

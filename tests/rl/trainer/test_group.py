@@ -46,8 +46,10 @@ def test_reduce_rank_metrics_sums_maxes_and_weights_by_sequences():
     m = reduce_rank_metrics([{"train/seqs": 3.0, "train/tokens": 30.0, "train/step_s": 1.0, "train/grad_norm": 2.0, "loss/x": 1.0,
                               "train/rss_gb": 9.0},
                              {"train/seqs": 1.0, "train/tokens": 10.0, "train/step_s": 3.0, "train/grad_norm": 2.0, "loss/x": 5.0,
-                              "train/rss_gb": 7.0}])
+                              "train/rss_gb": 7.0}]).as_metrics()
     assert m == {"train/seqs": 4.0, "train/tokens": 40.0, "train/step_s": 3.0, "train/grad_norm": 2.0, "loss/x": 2.0, "train/rss_gb": 9.0}
+    with pytest.raises(ValueError, match="'train/new_thing' has no field in TrainResult"):  # never a silent weighted mean
+        reduce_rank_metrics([{"train/seqs": 1.0, "train/new_thing": 1.0}])
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def test_trainer_spec_modes_are_checked():
 def test_step_metrics_over_ranks():
     ranks = [{"train/tokens": 3000.0, "train/step_s": 2.0, "train/tokens_per_s": 1500.0, "train/peak_rss_gb": 7.5, "train/seqs": 3.0},
              {"train/tokens": 1000.0, "train/step_s": 4.0, "train/tokens_per_s": 250.0, "train/peak_rss_gb": 9.0, "train/seqs": 1.0}]
-    m = reduce_rank_metrics(ranks)
+    m = reduce_rank_metrics(ranks).as_metrics()
     assert m["train/peak_rss_gb"] == 9.0
     assert m["train/tokens_per_s"] == pytest.approx(4000.0 / 4.0)
 
