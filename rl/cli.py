@@ -1,8 +1,7 @@
 """The `jointrl` command line: train, eval, serve, envs, export, models, jobs, report.
 
 Each subcommand parses its own arguments here and then calls one function in the module that owns
-the feature (imported lazily, so `jointrl --help` is fast and a missing optional piece only
-affects its own subcommand). A subcommand whose feature is not built says so and exits 3.
+the feature (imported lazily, so `jointrl --help` is fast).
 Config errors exit 2 with the message naming the key, before anything starts.
 """
 from __future__ import annotations
@@ -10,29 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 EXIT_CONFIG = 2
-EXIT_NOT_BUILT = 3
 
 
-def _load(module: str, func: str) -> Callable | None:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (e.name == module or module.startswith(e.name + ".")):
-            return None
-        raise
-    return getattr(mod, func, None)
-
-
-def _call(module: str, func: str, feature: str, *args) -> int:
-    fn = _load(module, func)
-    if fn is None:
-        print(f"jointrl: {feature} is not built yet ({module}.{func} does not exist)", file=sys.stderr)
-        return EXIT_NOT_BUILT
-    rc = fn(*args)
-    return int(rc or 0)
+def _call(module: str, func: str, *args) -> int:
+    """`module.func(*args)`, the module imported only now; its return value as the exit code."""
+    return int(getattr(importlib.import_module(module), func)(*args) or 0)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -97,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the jobs subcommand and its arguments (`jointrl jobs --help`)")
 
     p = sub.add_parser("models", help="pretrained models: pull NAME (prints its checkpoint dir last) | list")
-    _load("rl.models_cli", "add_arguments")(p)
+    importlib.import_module("rl.models_cli").add_arguments(p)
 
     p = sub.add_parser("report", help="write a self-contained HTML report for a run directory")
     p.add_argument("run_dir", help="a run directory (runs/<name>), finished or still running")
@@ -109,11 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["envs"]:  # the envs module owns its sub-subcommands and their --help
-        return _call("envs.cli", "main", "the environment CLI", argv[1:])
+        return _call("envs.cli", "main", argv[1:])
     if argv[:1] == ["tinker"]:  # the Tinker service owns its sub-subcommands and their --help
-        return _call("rl.tinker.app", "main", "the Tinker service", argv[1:])
+        return _call("rl.tinker.app", "main", argv[1:])
     if argv[:1] == ["jobs"]:  # the jobs module owns its sub-subcommands and their --help
-        return _call("rl.jobs.cli", "main", "the jobs service", argv[1:])
+        return _call("rl.jobs.cli", "main", argv[1:])
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()
@@ -145,15 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_CONFIG
             print(f"jointrl train: {decision.message}", file=sys.stderr, flush=True)
             apply(decision, to_dict(cfg))
-            return _call("rl.run", "main", "training", cfg)
+            return _call("rl.run", "main", cfg)
         if args.cmd == "eval":
             cfg = load_config(args.config, args.overrides)
             tiers = tuple(args.tiers.split(",")) if args.tiers else None
-            return _call("rl.evaluate", "main", "evaluation", cfg, args.checkpoint, args.tasks_per_domain, tiers)
+            return _call("rl.evaluate", "main", cfg, args.checkpoint, args.tasks_per_domain, tiers)
         if args.cmd == "serve":
-            return _call("rl.serve.app", "main_from_args", "the server", args)
+            return _call("rl.serve.app", "main_from_args", args)
         if args.cmd == "export" and args.to is not None:
-            return _call("rl.weights.objstore", "main_export_cli", "export to object storage", args)
+            return _call("rl.weights.objstore", "main_export_cli", args)
         if args.cmd == "export":
             if args.out is None:
                 print("jointrl export: give an output directory or --to URL", file=sys.stderr)
@@ -161,11 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.mxfp4:
                 print("jointrl export: only --mxfp4 export exists; pass --mxfp4", file=sys.stderr)
                 return EXIT_CONFIG
-            return _call("model.mxfp4_export", "main_export", "MXFP4 export", args.src, args.out, args.include, args.rest_dtype)
+            return _call("model.mxfp4_export", "main_export", args.src, args.out, args.include, args.rest_dtype)
         if args.cmd == "models":
-            return _call("rl.models_cli", "main", "the model hub CLI", args)
+            return _call("rl.models_cli", "main", args)
         if args.cmd == "report":
-            return _call("rl.observe.report", "main", "the HTML report", args.run_dir, args.out)
+            return _call("rl.observe.report", "main", args.run_dir, args.out)
     except ConfigError as e:
         print(f"jointrl: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -273,11 +273,3 @@ def enumerate_mutations(path: str, source: str) -> list[Mutation]:
                 continue
             out[(s, e, repl)] = m
     return sorted(out.values(), key=lambda m: (m.start, m.end, m.replacement))
-
-
-def changed_lines(before: str, after: str) -> list[int]:
-    """1-based line numbers (of `before`) whose text differs; for tests and for sanity checks."""
-    a, b = before.splitlines(), after.splitlines()
-    if len(a) != len(b):
-        raise ValueError("the edit changed the number of lines")
-    return [i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y]

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
-import threading
 from typing import Sequence
 
 from envs.base import ToolEnv, ToolInvocation
 from envs.swe import onefunc_build as OB
 from envs.swe.domain import SweDomain
-from envs.swe.tasks import task_of
+from envs.swe.tasks import InstanceSets, task_of
 from jointrl.records import Limits, Message, Task
 
 log = logging.getLogger(__name__)
@@ -95,38 +93,17 @@ def task_of_onefunc(inst: OB.OneFuncInstance) -> Task:
         public={**base.public, "path": m.path, "function": m.function}, private=private, limits=LIMITS)
 
 
-_LOCK = threading.Lock()
-_CACHE: dict[str, list[OB.OneFuncInstance]] = {}
+_SETS: InstanceSets[OB.OneFuncInstance] = InstanceSets(ENV_ID, OB.FULL, OB.SMALL, OB.load, OB.ensure_built,
+                                                       "python -m envs.swe.onefunc_build", warn_small=True)
 
 
 def instance_set() -> list[OB.OneFuncInstance]:
     """The full rung set if built, else the small one (built now if missing: minutes).
 
-    `JOINTRL_SWE_SET` chooses as for swe-v0: `small`, `full` (raises if not built: build it with
-    `python -m envs.swe.onefunc_build`, tens of minutes to hours on 2 shared cores) or `auto`.
+    `JOINTRL_SWE_SET` chooses as for swe-v0 (`InstanceSets`): `small`, `full` (raises if not built: build it
+    with `python -m envs.swe.onefunc_build`, tens of minutes to hours on 2 shared cores) or `auto`.
     """
-    choice = os.environ.get("JOINTRL_SWE_SET", "auto")
-    if choice not in ("auto", "small", "full"):
-        raise ValueError(f"JOINTRL_SWE_SET must be auto, small or full, got {choice!r}")
-    specs = {"auto": (OB.FULL, OB.SMALL), "small": (OB.SMALL,), "full": (OB.FULL,)}[choice]
-    with _LOCK:
-        for spec in specs:
-            key = str(spec.path())
-            if key in _CACHE:
-                return _CACHE[key]
-            got = OB.load(spec)
-            if got is None and spec is OB.FULL:
-                if choice == "full":
-                    raise FileNotFoundError(f"the full {ENV_ID} set is not built ({OB.FULL.path()}); "
-                                            "run python -m envs.swe.onefunc_build")
-                continue
-            if spec is OB.SMALL and choice == "auto":
-                log.warning("%s: the full instance set is not built (python -m envs.swe.onefunc_build); "
-                            "using the small set (%d train + %d held-out tasks)", ENV_ID, OB.SMALL.n_train,
-                            OB.SMALL.n_heldout)
-            _CACHE[key] = got if got is not None else OB.ensure_built(spec)
-            return _CACHE[key]
-    raise AssertionError("unreachable: the small set is always built")
+    return _SETS.get()
 
 
 def make_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:

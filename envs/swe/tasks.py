@@ -12,14 +12,18 @@ the first `n` (all when n is None or larger). The split is by library function
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
+from typing import Any, Callable, Generic, TypeVar
 
 from envs.swe import build as B
 from envs.swe.build import Instance
 from jointrl.records import Limits, Message, Task
 
 ENV_ID = "swe-v0"
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 LIMITS = Limits(max_turns=40, tool_timeout_s=90.0, episode_timeout_s=1200.0, max_obs_chars=6000, max_arg_chars=60_000)
 
 SYSTEM_PROMPT = (
@@ -31,34 +35,48 @@ SYSTEM_PROMPT = (
     "so that the behaviour described in the issue is correct; do not edit the tests. Your change is graded "
     "with the project's full test suite, including tests you cannot see.")
 
-_LOCK = threading.Lock()
-_CACHE: dict[str, list[Instance]] = {}
+class InstanceSets(Generic[T]):
+    """One SWE rung's instance sets: the full set if built, else the small one (built at first use), as
+    `JOINTRL_SWE_SET` (auto | small | full) chooses; `full` raises if it is not built. Each set is read
+    once per process. swe-v0 (here) and swe-onefunc-v0 (envs/swe/onefunc.py) each hold one."""
+
+    def __init__(self, env_id: str, full: Any, small: Any, load: Callable[[Any], list[T] | None],
+                 ensure_built: Callable[[Any], list[T]], build_hint: str, *, warn_small: bool = False) -> None:
+        self.env_id, self.full, self.small, self.load, self.ensure_built = env_id, full, small, load, ensure_built
+        self.build_hint, self.warn_small = build_hint, warn_small
+        self._lock = threading.Lock()
+        self._cache: dict[str, list[T]] = {}
+
+    def get(self) -> list[T]:
+        choice = os.environ.get("JOINTRL_SWE_SET", "auto")
+        if choice not in ("auto", "small", "full"):
+            raise ValueError(f"JOINTRL_SWE_SET must be auto, small or full, got {choice!r}")
+        specs = {"auto": (self.full, self.small), "small": (self.small,), "full": (self.full,)}[choice]
+        with self._lock:
+            for spec in specs:
+                key = str(spec.path())
+                if key in self._cache:
+                    return self._cache[key]
+                got = self.load(spec)
+                if got is None and spec is self.full:
+                    if choice == "full":
+                        raise FileNotFoundError(f"the full {self.env_id} set is not built ({self.full.path()}); run {self.build_hint}")
+                    continue
+                if spec is self.small and choice == "auto" and self.warn_small:
+                    log.warning("%s: the full instance set is not built (%s); using the small set (%d train + %d held-out "
+                                "tasks)", self.env_id, self.build_hint, self.small.n_train, self.small.n_heldout)
+                self._cache[key] = got if got is not None else self.ensure_built(spec)
+                return self._cache[key]
+        raise AssertionError("unreachable: the small set is always built")
+
+
+_SETS: InstanceSets[Instance] = InstanceSets(ENV_ID, B.FULL, B.SMALL, B.load, lambda spec: B.ensure_built(spec, log=lambda *a: None),
+                                             "scripts/build_swe_instances.py")
 
 
 def instance_set() -> list[Instance]:
-    """The full set if built, else the small one (built now if missing).
-
-    `JOINTRL_SWE_SET=small` (or `full`) forces one; `full` raises if it is not built.
-    """
-    choice = os.environ.get("JOINTRL_SWE_SET", "auto")
-    if choice not in ("auto", "small", "full"):
-        raise ValueError(f"JOINTRL_SWE_SET must be auto, small or full, got {choice!r}")
-    specs = {"auto": (B.FULL, B.SMALL), "small": (B.SMALL,), "full": (B.FULL,)}[choice]
-    with _LOCK:
-        for spec in specs:
-            key = str(spec.path())
-            if key in _CACHE:
-                return _CACHE[key]
-            got = B.load(spec)
-            if got is not None:
-                _CACHE[key] = got
-                return got
-        if choice == "full":
-            raise FileNotFoundError(f"the full swe-v0 set is not built ({B.FULL.path()}); "
-                                    "run scripts/build_swe_instances.py")
-        got = B.ensure_built(B.SMALL, log=lambda *a: None)
-        _CACHE[str(B.SMALL.path())] = got
-        return got
+    """The full set if built, else the small one (built now if missing); see `InstanceSets`."""
+    return _SETS.get()
 
 
 def task_of(inst: Instance) -> Task:

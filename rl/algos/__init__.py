@@ -22,7 +22,7 @@ from rl.algos.advantages import (
     whiten_advantages,
 )
 from rl.algos.aggregation import AGGREGATIONS, aggregate, aggregation_weights, reduce
-from rl.algos.dynamic_sampling import GroupSignal, group_signal, groups_to_sample, zero_variance_groups
+from rl.algos.dynamic_sampling import GroupSignal, group_signal, zero_variance_groups
 from rl.algos.kl import KL_ESTIMATORS, kl_loss, kl_per_token, kl_reward_penalty
 from rl.algos.off_policy import masked_is_mask, truncated_is_weights
 from rl.algos.policy_loss import POLICY_LOSSES, PolicyLossInputs, PolicyLossParams, compute_policy_loss
@@ -34,7 +34,7 @@ __all__ = [
     "ADVANTAGE_TRANSFORMS", "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES",
     "AdvantageInputs", "AdvantageParams", "GroupSignal", "PolicyLossInputs", "PolicyLossParams", "Registry", "RegistryError",
     "aggregate", "aggregation_weights", "broadcast_to_tokens", "clipped_value_loss", "compute_advantages",
-    "compute_policy_loss", "gae_advantages_BT", "gae_returns_BT", "group_signal", "groups_to_sample", "grpo_advantages_B",
+    "compute_policy_loss", "gae_advantages_BT", "gae_returns_BT", "group_signal", "grpo_advantages_B",
     "kl_loss", "kl_per_token", "kl_reward_penalty", "load_balance_loss", "masked_is_mask",
     "outcome_to_token_rewards", "reduce", "reinforce_pp_advantages_BT", "rloo_advantages_B", "router_losses",
     "router_z_loss", "truncated_is_weights", "whiten", "whiten_advantages", "zero_variance_groups",

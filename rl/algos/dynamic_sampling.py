@@ -4,14 +4,13 @@ A group whose G samples all got the same reward has zero advantage under every g
 estimator (grpo, dr_grpo, rloo): it costs a forward/backward and teaches nothing, and it shrinks the
 effective batch. DAPO filters such groups and over-samples until the batch is full of informative
 groups. This module finds them: `zero_variance_groups` over a flat batch, `group_signal` over rollout
-groups given as reward lists (the one rule the training loop and the domain sampler use); it sizes the
-over-sampling (`groups_to_sample`); the driver decides whether to filter or re-sample.
+groups given as reward lists (the one rule the training loop and the domain sampler use). The driver
+decides whether to filter or re-sample.
 Metrics include the zero-variance fraction per domain: a domain that is all-solved or all-failed shows
 up here first (and is what adaptive domain weights react to).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -104,17 +103,3 @@ def group_signal(rewards_G: Sequence[Sequence[float]], labels_G: Sequence[str], 
         mine = [h for h, x in zip(has_signal_G, labels_G) if x == label]
         frac[label] = sum(not h for h in mine) / len(mine)
     return GroupSignal(has_signal_G, frac)
-
-
-def groups_to_sample(num_needed: int, kept_group_frac: float, *, max_factor: float = 3.0) -> int:
-    """How many groups to roll out to expect `num_needed` informative ones, given the recent kept
-    fraction; the over-sampling factor is capped at `max_factor` so an all-solved domain cannot ask
-    for an unbounded number of rollouts."""
-    if num_needed < 0:
-        raise ValueError(f"num_needed={num_needed} must be >= 0")
-    if not 0.0 <= kept_group_frac <= 1.0:
-        raise ValueError(f"kept_group_frac={kept_group_frac} must be in [0, 1]")
-    if not max_factor >= 1.0:
-        raise ValueError(f"max_factor={max_factor} must be >= 1")
-    factor = min(max_factor, 1.0 / kept_group_frac) if kept_group_frac > 0 else max_factor
-    return int(math.ceil(num_needed * factor - 1e-9))

@@ -103,14 +103,6 @@ def apply_lora(module: torch.nn.Module, spec: LoraSpec):
     return peft.get_peft_model(module, cfg)
 
 
-def is_peft(module: torch.nn.Module) -> bool:
-    try:
-        import peft
-    except ImportError:
-        return False
-    return isinstance(module, peft.PeftModel)
-
-
 def base_name(peft_name: str) -> str:
     """A peft parameter name under the base model's own name: `base_model.model.` and `.base_layer` dropped."""
     n = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name

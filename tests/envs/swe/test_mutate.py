@@ -15,8 +15,17 @@ import pytest
 
 from envs.swe.build import HiddenSpan, apply_hidden, hide_spans, issue_text, split_of
 from envs.swe.libraries import LIBRARIES, Library
-from envs.swe.mutate import KINDS, Mutation, changed_lines, enumerate_mutations
+from envs.swe.mutate import KINDS, Mutation, enumerate_mutations
 from envs.swe.runner import Failure
+
+
+def changed_lines(before: str, after: str) -> list[int]:
+    """1-based line numbers (of `before`) whose text differs; the edit must keep the line count."""
+    a, b = before.splitlines(), after.splitlines()
+    if len(a) != len(b):
+        raise ValueError("the edit changed the number of lines")
+    return [i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y]
+
 
 SRC = '''\
 import os

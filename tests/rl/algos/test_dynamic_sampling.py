@@ -1,11 +1,11 @@
-"""Zero-variance group detection per domain, and the over-sampling size (rl/algos/dynamic_sampling.py)."""
+"""Zero-variance group detection per domain (rl/algos/dynamic_sampling.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.rl.algos.algos_refs import random_batch
-from rl.algos.dynamic_sampling import group_signal, groups_to_sample, zero_variance_groups
+from rl.algos.dynamic_sampling import group_signal, zero_variance_groups
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -36,15 +36,6 @@ def test_atol_and_singletons_and_errors():
     assert keep.tolist() == [False]
     with pytest.raises(ValueError, match="group 0 mixes domains"):
         zero_variance_groups(r, torch.tensor([0, 0, 1, 1]), torch.tensor([1, 2, 1, 1]))
-
-
-def test_groups_to_sample():
-    assert groups_to_sample(8, 0.5) == 16
-    assert groups_to_sample(8, 1.0) == 8
-    assert groups_to_sample(8, 0.0) == 24  # capped at max_factor 3
-    assert groups_to_sample(10, 0.3, max_factor=10) == 34
-    with pytest.raises(ValueError, match="kept_group_frac=1.5"):
-        groups_to_sample(8, 1.5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
