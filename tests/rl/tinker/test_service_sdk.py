@@ -104,6 +104,23 @@ def test_supervised_steps_lower_the_loss(client):
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
+def test_clients_are_independent_and_custom_losses_run_client_side(client, server):
+    """A second training client starts from the base (its own adapters and optimizer), and the SDK's client-side
+    custom loss (forward, local gradient, cross_entropy with weights -dC/dlogp) reaches the trainer."""
+    sc, tc, tok = client
+    ids = tok.encode(TEXT)
+    d = _sft_datum(ids)
+    fresh = sc.create_lora_training_client(base_model=server[1], rank=4).result(timeout=120)
+    trained = tc.forward([d], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    base = fresh.forward([d], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    assert base > trained + 1.0  # the first client's steps did not touch the second's model
+
+    out = fresh.forward_backward_custom([d], lambda data, lps: (-2.0 * sum(lp.sum() for lp in lps), {})).result(timeout=60)
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(2.0 * base, rel=1e-4)  # the server's sum(-w log p), w = 2
+    fresh.optim_step(types.AdamParams(learning_rate=5e-3)).result(timeout=60)
+    assert fresh.forward([d], "cross_entropy").result(timeout=60).metrics["loss:sum"] < base
+
+
 def test_sampled_logprobs_match_the_trainer_then_an_rl_step(client):
     _, tc, tok = client
     prompt = tok.encode(TEXT)[:6]
