@@ -26,7 +26,7 @@ from model import chat
 from rl.serve import ChatService, ServeSettings, build_service, create_app, read_records
 from rl.serve.anthropic import parse_messages_request
 from tests.helpers.checkpoints import build_test_checkpoint
-from tests.rl.serve_fixture import free_port
+from tests.rl.serve.serve_fixture import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -401,7 +401,7 @@ def test_a_seed_out_of_range_is_refused_and_never_poisons_the_engine(apps):
 
 
 def test_hostile_bodies_are_4xx_and_the_server_keeps_serving(apps):
-    from tests.rl.test_serve_redteam import ROUTES, _hostile_bodies
+    from tests.rl.serve.test_serve_redteam import ROUTES, _hostile_bodies
 
     base = apps["fuzz"].base
     for route in ROUTES:

@@ -1,7 +1,7 @@
 """Serve records with images (rl/serve/records.py), without a server: the Recorder stores each distinct image
 once under its sha256 before the record line, refuses images the record does not name; the reader rebuilds
 the sequence's images, refuses an altered or missing file, and reads records written before images were
-recorded. Through the real HTTP server: tests/rl/test_serve_tiny.py."""
+recorded. Through the real HTTP server: tests/rl/serve/test_serve_tiny.py."""
 from __future__ import annotations
 
 import hashlib

@@ -16,7 +16,7 @@ import pytest
 from rl.config import RolloutSection
 from rl.rollout.codec.hf import HERMES_TOOLS_FOOTER, HERMES_TOOLS_HEADER
 from rl.serve import read_records, recorded_sequence
-from tests.rl.serve_fixture import running_server
+from tests.rl.serve.serve_fixture import running_server
 
 pytestmark = pytest.mark.slow
 

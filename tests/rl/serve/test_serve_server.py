@@ -21,7 +21,7 @@ from rl.config import RolloutSection
 from rl.rollout.codec import make_codec
 from rl.serve import ServeCodec, ServeSettings, parse_chat_request
 from tests.helpers.checkpoints import build_test_checkpoint
-from tests.rl.serve_fixture import Server, running_server
+from tests.rl.serve.serve_fixture import Server, running_server
 
 pytestmark = pytest.mark.slow
 

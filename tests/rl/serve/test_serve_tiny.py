@@ -9,7 +9,7 @@ import pytest
 
 from model import chat
 from rl.config import RolloutSection
-from tests.rl.serve_fixture import running_server
+from tests.rl.serve.serve_fixture import running_server
 
 pytestmark = pytest.mark.slow
 
