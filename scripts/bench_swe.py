@@ -192,15 +192,80 @@ def edit_sweep(names=()) -> int:
     return 1 if total_bad else 0
 
 
+def judge_sweep(names=(), per_library: int = 25, seed: int = 0) -> int:
+    """The value judge (observe.py) against pytest's own verdict, on sampled mutations of every library.
+
+    Per mutation, the suite runs twice in a plain subprocess (our own trusted mutations, no
+    agent code): the original tests (pytest decides) and the transformed tests (the judge compares
+    the reported values with the pristine library's reference). Counted over the tests that pass
+    on the pristine library: `missed`, tests pytest fails but the judge passes (the judge would be
+    weaker than the tests), and `extra`, tests the judge fails but pytest passes. The pristine
+    library itself (what every reference fix restores) must pass every test under the judge."""
+    import random
+
+    from envs.swe import observe as O
+    from envs.swe.mutate import enumerate_mutations
+
+    runtime, python = L.ensure_runtime(), L.interpreter()
+
+    def run(lib, tree):
+        with tempfile.TemporaryDirectory() as td:
+            for rel, data in tree.items():
+                (Path(td) / rel).parent.mkdir(parents=True, exist_ok=True)
+                (Path(td) / rel).write_bytes(data)
+            return run_suite_local(lib, Path(td), runtime, python, timeout_s=60)
+
+    bad = 0
+    print(f"{'library':<22}{'sampled':>8}{'ran':>5}{'caught by pytest':>18}{'caught by judge':>17}"
+          f"{'tests missed':>14}{'tests extra':>13}{'pristine fails':>16}{'s':>6}")
+    for name in names or L.LIBRARIES:
+        lib = L.get_library(name)
+        t0 = time.monotonic()
+        files = L.source_files(lib)
+        grading = L.grading_files(lib, files)
+        ref = O.merge_runs(*[run(lib, O.transform_tree(lib, grading)).observations for _ in range(O.REFERENCE_RUNS)])
+        base = run(lib, grading)
+        passing = sorted(base.passed())
+        pristine = run(lib, O.transform_tree(lib, grading))
+        pristine_fails = [n for n in passing if not ref.passed(n, pristine)]
+        muts = [(p, m) for p in L.mutable_files(lib, files) for m in enumerate_mutations(p, files[p].decode("utf-8"))]
+        sample = random.Random(seed).sample(muts, min(per_library, len(muts)))
+        ran = by_pytest = by_judge = missed = extra = 0
+        for path, m in sample:
+            tree = dict(grading)
+            tree[path] = m.apply(files[path].decode("utf-8")).encode("utf-8")
+            r_py, r_obs = run(lib, tree), run(lib, O.transform_tree(lib, tree))
+            if not (r_py.ok and r_obs.ok):  # a crash or a timeout: no test passes either way
+                continue
+            ran += 1
+            py_fail = {n for n in passing if r_py.outcomes.get(n) != "passed"}
+            judge_fail = {n for n in passing if not ref.passed(n, r_obs)}
+            by_pytest += bool(py_fail)
+            by_judge += bool(judge_fail)
+            missed += len(py_fail - judge_fail)
+            extra += len(judge_fail - py_fail)
+            if py_fail - judge_fail:
+                print(f"  missed: {lib.key} {m.kind} {m.function}: {sorted(py_fail - judge_fail)[:3]}")
+        bad += missed + len(pristine_fails)
+        print(f"{lib.key:<22}{len(sample):>8}{ran:>5}{by_pytest:>18}{by_judge:>17}{missed:>14}{extra:>13}"
+              f"{len(pristine_fails):>16}{time.monotonic() - t0:>6.0f}", flush=True)
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", default="HEAD", help="revision whose runner is the 'before' (one-process) path")
     ap.add_argument("--edit-sweep", nargs="*", default=None, metavar="LIBRARY", choices=sorted(L.LIBRARIES),
                     help="only: validate the undoing of every mutation (of the libraries named; all if none)")
+    ap.add_argument("--judge-sweep", nargs="*", default=None, metavar="LIBRARY", choices=sorted(L.LIBRARIES),
+                    help="only: the value judge against pytest on --per-library sampled mutations of each library")
+    ap.add_argument("--per-library", type=int, default=25)
     a = ap.parse_args()
     if a.edit_sweep is not None:
         return edit_sweep(a.edit_sweep)
+    if a.judge_sweep is not None:
+        return judge_sweep(a.judge_sweep, a.per_library)
     from envs.sandbox.bwrap import BwrapBackend
 
     before = load_before(a.before)

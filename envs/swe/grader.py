@@ -43,6 +43,7 @@ from envs.sandbox.base import Sandbox, SandboxBackend, SandboxLimits
 from envs.swe import editcheck as E
 from envs.swe import libraries as L
 from envs.swe import mounts as M
+from envs.swe import observe as O
 from envs.swe.runner import TEST_ENV, SuiteResult, driver_argv, key_line, new_key
 
 log = logging.getLogger(__name__)
@@ -222,20 +223,28 @@ def grade(backend: SandboxBackend, lib: L.Library, start: Mapping[str, bytes], e
                           ignored=edits.ignored, dropped=edits.dropped, rejections=check.rejections)
     for path, data in check.graded.items():  # what runs is the splice, never the agent's file itself
         tree[path] = data
+    ref = O.reference(backend, lib)  # the pristine library's values, from its own sandbox (cached)
+    tree = O.transform_tree(lib, tree)  # the tests report values; the literals they compare with stay here
     canaries = add_canaries(tree, f2p)
     result = run_in_sandbox(backend, lib, tree, limits=limits)
-    return verdict(result, f2p, p2p, edits, canaries)
+    return verdict(result, f2p, p2p, edits, canaries, ref)
 
 
 def verdict(result: SuiteResult, f2p: Sequence[str], p2p: Sequence[str], edits: AgentEdits | None = None,
-            canaries: Canaries | None = None) -> SweVerdict:
+            canaries: Canaries | None = None, reference: O.Reference | None = None) -> SweVerdict:
+    """With `reference`, a test passes when its reported values equal the reference's (observe.py);
+    without, when the worker reported it passed (build time, the agent's own runs)."""
     common = dict(applied=edits.applied if edits else (), ignored=edits.ignored if edits else (),
                   dropped=edits.dropped if edits else (), suite_s=result.duration_s,
                   result_forged=result.forged, denied=len(result.denied))
     if not result.ok:
         return SweVerdict(False, 0, len(f2p), len(p2p), len(p2p), suite_ok=False, **common)
-    f2p_bad = result.not_passed(f2p)
-    p2p_bad = result.not_passed(p2p)
+    if reference is not None:
+        f2p_bad = [n for n in f2p if not reference.passed(n, result)]
+        p2p_bad = [n for n in p2p if not reference.passed(n, result)]
+    else:
+        f2p_bad = result.not_passed(f2p)
+        p2p_bad = result.not_passed(p2p)
     canary = canaries_passed(result, canaries) if canaries is not None else 0
     if canary:
         log.warning("swe grading: %d canary test(s) did not fail: the reports were forged", canary)

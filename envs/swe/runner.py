@@ -84,6 +84,10 @@ import sys
 
 MAX_EVENT_BYTES = 64 << 20
 PR_SET_DUMPABLE = 4
+# An observation record (envs/swe/observe.py) is a list of short strings: the worker's canonical
+# values, never anything the judge or the host would have to interpret.
+OBS_MAX_ITEMS = 4001
+OBS_MAX_CHARS = 200
 FINISHED = (0, 1, 2, 5)
 
 
@@ -133,7 +137,7 @@ def reduce(lines, worker_exit):
 
 
 def _reduce(lines, worker_exit):
-    outcomes, failures, locations, collect_errors, denied = {}, {}, {}, [], []
+    outcomes, failures, locations, collect_errors, denied, observations = {}, {}, {}, [], [], {}
     opened, closed = set(), set()
     done = None
     for raw in lines:
@@ -176,6 +180,16 @@ def _reduce(lines, worker_exit):
                 outcomes[nid] = "error"
             elif outcome == "skipped" and when == "setup":
                 outcomes[nid] = "skipped"
+        elif kind == "obs":
+            # one record per test, inside its own setup..teardown, of bounded strings only
+            nid, values, end = ev["nid"], ev["v"], ev["end"]
+            if type(nid) is not str or nid not in opened or nid in closed or nid in observations:
+                return None, "an observation outside its test, or twice"
+            if type(values) is not list or len(values) > OBS_MAX_ITEMS or type(end) is not str \
+                    or len(end) > OBS_MAX_CHARS \
+                    or any(type(x) is not str or len(x) > OBS_MAX_CHARS for x in values):
+                return None, "a malformed observation"
+            observations[nid] = [values, end]
         elif kind == "denied":
             denied.append("%s at %s" % (str(ev["event"])[:100], str(ev["where"])[:300]))
         elif kind == "done":
@@ -198,7 +212,7 @@ def _reduce(lines, worker_exit):
     for nid in opened:  # a test whose setup passed but that has no call report did not pass
         outcomes.setdefault(nid, "error")
     return {"exit_code": worker_exit, "outcomes": outcomes, "failures": failures, "locations": locations,
-            "collect_errors": collect_errors, "denied": denied[:100]}, None
+            "collect_errors": collect_errors, "denied": denied[:100], "observations": observations}, None
 
 
 def write_result(path, key, body):
@@ -257,10 +271,16 @@ WORKER_SOURCE = r'''"""jointrl swe-v0 test worker: pytest with a plugin streamin
 
 It holds no key and writes no result: the judge decides from these reports and our exit status."""
 import argparse
+import collections
+import collections.abc as abc
+import hashlib
 import inspect
 import json
+import operator
 import os
+import random
 import sys
+import types
 
 
 # Audit events that library code has no business raising: frames, tracing, heap walks, code
@@ -464,6 +484,121 @@ def guard(emit, library_dirs, stdlib, runtime):
     importlib.import_module = guarded_import_module
 
 
+# The observation channel (envs/swe/observe.py): the transformed tests call `_jointrl_observe`
+# where they asserted; each operand becomes a canonical string of plain data. Objects are never
+# asked for their `repr` or `__eq__`: builtin scalars and containers by content, collections by
+# iteration, anything else by its type's name. Strings longer than OBS_MAX_CHARS are sent as
+# their SHA-256, and a test's list past OBS_MAX_ITEMS is folded into one digest.
+OBS_MAX_CHARS = 160
+OBS_MAX_ITEMS = 4000
+OBS_MAX_ELEMENTS = 1000
+OBS_MAX_DEPTH = 12
+
+
+def _qualname(t):
+    return "%s.%s" % (getattr(t, "__module__", "?"), getattr(t, "__qualname__", "?"))
+
+
+def canon(v, depth=0):
+    """A JSON-able description of `v` that holds only builtin data."""
+    t = type(v)
+    if depth > OBS_MAX_DEPTH:
+        return {"deep": _qualname(t)}
+    if v is None or t is bool or t is str:
+        return v
+    if t is int:
+        return v if v.bit_length() < 53 else {"i": hex(v)}
+    if t is float or t is complex:
+        return {"f": repr(v)}
+    if t is bytes or t is bytearray:
+        return {"b": bytes(v[:OBS_MAX_ELEMENTS * 4]).hex(), "n": len(v)}
+    if t is list or t is tuple or t is collections.deque:
+        return {t.__name__[0]: [canon(x, depth + 1) for x in list(v)[:OBS_MAX_ELEMENTS]], "n": len(v)}
+    if t is dict or t is collections.defaultdict or t is collections.Counter or t is collections.OrderedDict:
+        items = [[canon(k, depth + 1), canon(x, depth + 1)] for k, x in list(dict.items(v))[:OBS_MAX_ELEMENTS]]
+        if t is not collections.OrderedDict:
+            items.sort(key=lambda kv: json.dumps(kv[0], sort_keys=True))
+        return {"d": items, "t": t.__name__, "n": len(v)}
+    if t is set or t is frozenset:
+        return {"s": sorted(json.dumps(canon(x, depth + 1), sort_keys=True) for x in list(v)[:OBS_MAX_ELEMENTS]),
+                "n": len(v)}
+    if t is range or t is slice:
+        return {"r": [canon(v.start), canon(v.stop), canon(v.step)]}
+    if isinstance(v, BaseException):
+        return {"e": _qualname(t), "a": canon(v.args, depth + 1) if type(v.args) is tuple else None}
+    if isinstance(v, type):
+        return {"T": _qualname(v)}
+    if t in (types.FunctionType, types.BuiltinFunctionType, types.MethodType):
+        return {"F": getattr(v, "__qualname__", "?")}
+    out = {"o": _qualname(t)}
+    try:  # a collection's content by iteration (never an iterator: that would consume it)
+        if isinstance(v, abc.Mapping):
+            out["keys"] = [canon(k, depth + 1) for k, _ in zip(iter(v), range(OBS_MAX_ELEMENTS))]
+        elif isinstance(v, (abc.Set, abc.Sequence)) and not isinstance(v, abc.Iterator):
+            out["items"] = [canon(k, depth + 1) for k, _ in zip(iter(v), range(OBS_MAX_ELEMENTS))]
+    except Exception as e:
+        out["err"] = _qualname(type(e))
+    return out
+
+
+class Observer:
+    """Collects one test's observations (from its setup to the end of its call)."""
+
+    def __init__(self):
+        self.values = None
+        self.digest = None
+
+    def start(self):
+        self.values, self.digest = [], None
+
+    def add(self, item):
+        if self.values is None:
+            return
+        s = json.dumps(item, sort_keys=True)
+        if len(s) > OBS_MAX_CHARS:
+            s = "#" + hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()
+        if len(self.values) < OBS_MAX_ITEMS:
+            self.values.append(s)
+        else:
+            self.digest = hashlib.sha256(((self.digest or "") + s).encode("utf-8", "surrogatepass")).hexdigest()
+
+    def take(self):
+        vals = self.values if self.values is not None else []
+        if self.digest is not None:
+            vals = vals + ["#folded:" + self.digest]
+        self.values, self.digest = None, None
+        return vals
+
+    def __call__(self, kind, how, mask, *values):
+        """`_jointrl_observe(kind, how, mask, *operands)`, what a transformed assertion became."""
+        try:
+            item = [kind, [canon(v) for v in values]]
+        except Exception as e:
+            item = [kind, "canon-raised", _qualname(type(e))]
+        self.add(item)
+        if "s" not in mask:  # nothing dropped: the assertion's own verdict too, as an entry of its own
+            self.add(["=", self.evaluate(kind, how, values)])  # (kept when the values are masked)
+
+    @staticmethod
+    def evaluate(kind, how, values):
+        ops = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+               ">=": operator.ge, "is": operator.is_, "is not": operator.is_not,
+               "in": lambda a, b: a in b, "not in": lambda a, b: a not in b}
+        try:
+            if kind == "cmp":
+                return all(bool(ops[op](values[i], values[i + 1])) for i, op in enumerate(how.split(",")))
+            if kind == "not":
+                return not values[0]
+            if kind == "truth":
+                return bool(values[0])
+            how(*values)  # a unittest assertion, bound to its test case
+            return True
+        except AssertionError:
+            return False
+        except Exception as e:
+            return "raised " + _qualname(type(e))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--site", required=True)
@@ -495,7 +630,28 @@ def main():
         p = os.path.realpath(str(p))
         return os.path.relpath(p, root) if p.startswith(root + os.sep) else "<outside>/" + os.path.basename(p)
 
+    import builtins
+
+    observer = Observer()
+    builtins._jointrl_observe = observer
+    ends = {}  # test -> how its call ended, until its record is sent
+
     class Reporter:
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_setup(self, item):
+            observer.start()
+            ends.pop(item.nodeid, None)
+            random.seed(0)  # each test from the same state (cachetools' RRCache evicts at random)
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_teardown(self, item):
+            # one record per test, before its teardown report closes it (subtests make several
+            # call reports; the first failure among them is how the call ended)
+            if item.nodeid in ends:
+                emit(k="obs", nid=item.nodeid, v=observer.take(), end=ends.pop(item.nodeid))
+            else:
+                observer.take()
+
         def pytest_collection_modifyitems(self, items):
             for it in items:
                 fn = getattr(it, "obj", None)
@@ -511,6 +667,9 @@ def main():
                 emit(k="collect_error", nid=report.nodeid, message=str(report.longrepr)[-3000:])
 
         def pytest_runtest_makereport(self, item, call):
+            if call.when == "call" and ends.get(item.nodeid, "ok") == "ok":
+                ends[item.nodeid] = "ok" if call.excinfo is None else (
+                    "raised " + _qualname(call.excinfo.type))[:OBS_MAX_CHARS]
             if call.excinfo is not None and call.when in ("setup", "call"):
                 ei = call.excinfo
                 frames = [[rel(e.path), e.lineno + 1, e.name] for e in list(ei.traceback)[-4:]]
@@ -570,6 +729,9 @@ class SuiteResult:
     problem: str | None = None  # why the judge did not believe the worker's reports
     forged: bool = False  # a result file was there, but not with the judge's MAC
     denied: tuple[str, ...] = ()  # audit events library code raised and the worker refused
+    # test -> (canonical values, how its call ended): what the tested process reported, as data
+    # to compare with the reference's (observe.py), never as a verdict
+    observations: Mapping[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
 
     def passed(self) -> frozenset[str]:
         return frozenset(k for k, v in self.outcomes.items() if v == "passed")
@@ -593,9 +755,10 @@ class SuiteResult:
                                  frames=tuple((str(p), int(n), str(f)) for p, n, f in v["frames"]))
                  for k, v in d["failures"].items()}
         locs = {str(k): (str(v[0]), int(v[1])) for k, v in d["locations"].items()}
+        obs = {str(k): (tuple(str(x) for x in v[0]), str(v[1])) for k, v in d.get("observations", {}).items()}
         return SuiteResult(ok=True, outcomes={str(k): str(v) for k, v in d["outcomes"].items()}, failures=fails,
                            locations=locs, collect_errors=tuple(str(e["nodeid"]) for e in d["collect_errors"]),
-                           denied=tuple(str(x) for x in d["denied"]), exit_code=exit_code, timed_out=timed_out, duration_s=duration_s, output_tail=output_tail)
+                           denied=tuple(str(x) for x in d["denied"]), observations=obs, exit_code=exit_code, timed_out=timed_out, duration_s=duration_s, output_tail=output_tail)
 
     @staticmethod
     def read(data: bytes | None, key: bytes, *, exit_code: int, duration_s: float, timed_out: bool = False,
