@@ -22,6 +22,10 @@ import yaml
 
 from jointrl.paths import REPO_ROOT, cache_root
 from rl.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
+# Sections owned by their components, composed here (and re-exported: callers import them from here too).
+from rl.observe.config import LoggingSection  # noqa: F401
+from rl.rollout.config import RolloutSection  # noqa: F401
+from rl.trainer.config import LoraSection, TrainerSection  # noqa: F401
 
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -69,60 +73,6 @@ class ModelSection:
     # hf codec: vLLM's reasoning parser by name (qwen3, deepseek_r1, openai_gptoss, ...); "" = the model has
     # no reasoning format, and the thinking tiers only cap each turn's generated tokens.
     reasoning_parser: str = ""
-
-
-@dataclass
-class RolloutSection:
-    """vLLM rollout workers."""
-
-    num_workers: int = 1
-    dtype: Literal["float32", "bfloat16", "auto"] = "auto"  # auto: float32 where vLLM's kernels allow it
-    max_model_len: int = 2048
-    max_new_tokens_per_turn: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    enforce_eager: bool = True
-    kv_cache_gib: float = 1.0
-    thinking_budgets: dict[str, int] = field(default_factory=lambda: {"low": 64, "high": 256, "max": -1})  # -1 = no cap
-    max_concurrent_episodes: int = 32
-    gpu_memory_utilization: float = 0.85
-    # Per-request sampling seeds derived from (run seed, step, task, sample, turn), so a resumed run
-    # replays the same rollouts. On CPU this turns chunked prefill off (and prefix caching for hybrid
-    # models: ~1.2x slower rollouts there); see docs/rollout.md "Determinism".
-    seeded_requests: bool = True
-    # GPU paths (docs/training.md "GPU paths"; untested on a GPU in this project so far). GPUs each
-    # worker asks Ray for: 0 = a CPU engine; whole numbers give each worker GPUs of its own, apart from
-    # the trainer's (trainer.gpus_per_rank); a fraction lets roles share one GPU (not with NCCL sync).
-    gpus_per_worker: float = 0.0
-    # torch / OpenMP threads of each CPU engine. Ray starts a num_cpus=1 actor with OMP_NUM_THREADS=1;
-    # in sync mode the engines idle while the trainer steps, so a 2-core machine can give each phase both
-    # cores (docs/models.md, "RolloutWorker vs bare vLLM"). More threads than free cores make OpenMP's
-    # spin-waiting threads slower than one thread, so the default stays 1.
-    threads_per_worker: int = 1
-    tensor_parallel_size: int = 1  # vLLM TP ranks per worker; > 1 is GPU only and needs gpus_per_worker = tensor_parallel_size
-    # A custom Ray resource every rollout worker requires ("" = none): only nodes started with it
-    # (`ray start --resources '{"rollout_node": 1}'`) host workers. Each worker takes
-    # NODE_RESOURCE_UNIT of it, so the node's amount does not limit how many it hosts.
-    node_resource: str = ""
-    # Images one episode may show the policy (task views, tool results; docs/multimodal.md). 0: text only,
-    # and messages' images reach the policy as a one-line text note. > 0 needs a model with a vision tower
-    # (HybridMoe) and the jointrl chat codec; at most jointrl.limits.MAX_IMAGES_PER_PROMPT.
-    max_images_per_prompt: int = 0
-    # What an image shows the policy: "real" pixels, or "blank" (every pixel mid-grey, same size and
-    # placeholders): the control arm that measures whether the policy uses what it sees.
-    image_pixels: Literal["real", "blank"] = "real"
-    # Long episodes (docs/rollout.md, "Long episodes"). What an episode keeps in context once its history passes
-    # context_budget_tokens: full (everything; the episode ends as truncated when max_model_len is reached),
-    # window (drop the oldest whole turns) or summarize (the policy writes a summary of its progress, and the
-    # episode goes on from the system prompt, the task and that summary); rl/rollout/context.py's registry.
-    context: str = "full"
-    context_domains: dict[str, str] = field(default_factory=dict)  # domain -> strategy, overriding rollout.context
-    context_budget_tokens: int = 0  # 0: max_model_len - max_new_tokens_per_turn (twice that for summarize)
-    context_keep_turns: int = 0  # window: keep the most recent N turns; 0: the turns that fit half the budget
-    # Partial rollouts: a step stops generating once its episodes have generated step_token_budget tokens; the
-    # episodes still running pause and continue in the next step under the new weights (rl/rollout/partial.py).
-    partial: Literal["on", "off"] = "off"
-    step_token_budget: int = 0  # needed (> 0) with partial on
 
 
 @dataclass
@@ -176,80 +126,6 @@ class AlgorithmSection:
 
 
 @dataclass
-class LoraSection:
-    """LoRA adapters on the policy (rl/trainer/lora.py, docs/training.md "LoRA"); rank 0 = full fine-tuning."""
-
-    rank: int = 0  # adapter rank r (1..512); 0 = no adapters, every weight trains
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapters' input while training; must be 0 with the 'experts' target
-    # any of: attention (q/k/v/o and gated-delta in/out projections), mlp (dense and shared-expert MLPs),
-    # experts (the fused expert tensors of MoE layers, one rank-r pair per expert)
-    targets: list[str] = field(default_factory=lambda: ["attention"])
-    # auto: the adapter alone where the engines can serve it (vLLM LoRA requests), else merged weights
-    # (only the adapted tensors); adapter: refuse at start-up where impossible; merged: always merge
-    sync: Literal["auto", "adapter", "merged"] = "auto"
-
-
-@dataclass
-class TrainerSection:
-    """DeepSpeed trainer."""
-
-    num_workers: int = 1  # DeepSpeed ranks, one Ray actor each in one placement group (rl/trainer/group.py)
-    cpus_per_rank: float = 1.0  # Ray resources of each rank's bundle
-    gpus_per_rank: float = 0.0  # > 0: NCCL between ranks; 0: gloo on CPU
-    # A custom Ray resource every rank's bundle requires ("" = none): ranks go only to nodes started
-    # with it, NODE_RESOURCE_UNIT each (see rollout.node_resource)
-    node_resource: str = ""
-    zero_stage: Literal[0, 1, 2, 3] = 1
-    lr: float = 1e-5
-    critic_lr: float = 1e-5  # algorithm.advantage = gae
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    micro_batch_size: int = 4
-    steps: int = 10
-    sft_steps: int = 0
-    sft_lr: float = 1e-3
-    sft_tasks_per_domain: int = 0  # train tasks whose reference solutions make the SFT set; 0 = max(4, 4 x tasks_per_step)
-    # A JSONL file of demonstrations (assistant turns per train task, rl/sft.py) that replaces the references
-    # as the SFT set, used as given whatever it scores; "" = the references. Relative to the working directory.
-    sft_data: str = ""
-    tasks_per_step: int = 4
-    async_mode: bool = False  # updates overlap later steps' rollouts
-    max_staleness: int = 1  # async mode: at most this many updates run behind the rollouts (policy-version lag <= k)
-    sync_bucket_mb: int = 64
-    sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
-    # auto: /dev/shm when every rollout worker shares the trainer's node (and it has room), else Ray's
-    # object store; $JOINTRL_SYNC_TRANSPORT overrides (docs/rollout.md, weight sync). nccl (GPU only,
-    # untested on a GPU so far): rank 0 broadcasts into the workers' GPUs (rl/rollout/nccl_sync.py)
-    sync_transport: Literal["auto", "shm", "object_store", "nccl"] = "auto"
-    checkpoint_every: int = 0  # 0 = only at the end
-    resume: bool = True
-    lora: LoraSection = field(default_factory=LoraSection)
-    # The input embeddings and the first N decoder layers do not train (with tied embeddings the LM head
-    # neither): backward stops at layer N and no optimizer moments are kept for them. 0 = all train.
-    frozen_layers: int = 0
-    # Shared-prefix packing of the policy, reference and critic forwards (rl/trainer/packing.py): a GRPO group's
-    # rows become one token tree, so the prompt they share is computed once; exact, not an approximation.
-    # auto: on where the model's attention takes a tree mask (model/families.py `packs`) and a micro-batch
-    # costs less packed; on: the same, but a model that cannot pack is a start-up error; off: padded rows.
-    prefix_sharing: Literal["auto", "on", "off"] = "auto"
-    # torch intra-op threads of each trainer rank. In sync mode on a CPU machine the engines idle while the
-    # trainer works, so the trainer may take every core (docs/training.md, "Knobs on 2 cores").
-    threads_per_rank: int = 1
-    # Long sequences (docs/training.md, "Long sequences"). Per-token logprobs from the LM head in tiles of this
-    # many tokens, each recomputed in the backward (rl/trainer/tiled.py): memory stays one tile's logits at any
-    # length; 0 = the model's full logits.
-    logprob_tile_tokens: int = 1024
-    # Decoder layers keep only their inputs and re-run in the backward (rl/trainer/checkpointing.py), policy and
-    # critic. auto: only micro-batches whose estimated activations pass 4 GiB (short sequences keep their speed).
-    activation_checkpointing: Literal["off", "on", "auto"] = "auto"
-    # > 0: micro-batches hold as many rows as fit this many padded tokens (rows x longest row; a longer row runs
-    # alone), whatever trainer.micro_batch_size says; 0 = trainer.micro_batch_size rows each.
-    max_tokens_per_micro_batch: int = 0
-
-
-@dataclass
 class EvalSection:
     """Held-out evaluation before and after RL (and `jointrl eval`)."""
 
@@ -264,44 +140,6 @@ class EvalSection:
     # After RL, also evaluate the third arm: the trainer state RL started from (saved after the SFT warm
     # start), trained with SFT for as long as RL ran. Shows whether the gain is RL's or more supervision's.
     sft_control: bool = False
-
-
-@dataclass
-class LoggingSection:
-    """Where metrics go."""
-
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "jointrl"
-    samples_per_domain: int = 2  # rollout transcripts logged per domain per step
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    # How per-domain metrics (`<group>/<stat>/<domain>`, ~80 a domain at 16 experts) go to wandb, which draws
-    # one panel per series (rl/observe/wandb_layout.py). "scalars": every name its own series (fine for a
-    # handful of domains; 500 domains would be ~40,000 series). "table": the batch-wide names, every
-    # `<stat>/all` and a few per-family roll-ups (`family/<stat>/<family>`) stay series, and every domain's
-    # values go to one wandb.Table `domains/table` (a row per domain) every `wandb_table_every` steps.
-    # "auto": "scalars" up to `wandb_table_above` domains of the run record, "table" above.
-    # metrics.jsonl and `jointrl report` always get every name.
-    wandb_per_domain: Literal["auto", "scalars", "table"] = "auto"
-    # Domains above which "auto" switches to the table; also the most families logged as roll-up series
-    # (more families: a `families/table` instead). 12 is where the report switches to per-family charts.
-    wandb_table_above: int = 12
-    # Log the domain table every k-th step and at the last planned step. At 500 domains a table is ~0.43 MB and
-    # ~0.3 s of wandb's time (docs/dashboards.md); every step's values are in metrics.jsonl and the report anyway.
-    wandb_table_every: int = 10
-    # The engine-vs-trainer logprob check after a weight sync (rl/sync.py WeightSync.gap: the engine and the trainer
-    # each score a few of the step's episodes, `mismatch/logprob_abs_{mean,max}`) runs at steps 0, k, 2k, ...
-    # 1: every step. 0: never (the train-time `mismatch/*/<domain>` gap of each update is logged regardless).
-    # On a 2-core CPU it is ~10% of a small step (docs/peers.md).
-    gap_every: int = 1
-
-    def __post_init__(self) -> None:
-        if isinstance(self.gap_every, bool) or not isinstance(self.gap_every, int) or self.gap_every < 0:
-            raise ConfigError(f"config key 'logging.gap_every': value {self.gap_every!r} must be an integer >= 0 "
-                              "(0: never, k: every k-th step)")
-        if self.wandb_table_above < 0:
-            raise ConfigError(f"config key 'logging.wandb_table_above': value {self.wandb_table_above} must be >= 0")
-        if self.wandb_table_every < 1:
-            raise ConfigError(f"config key 'logging.wandb_table_every': value {self.wandb_table_every} must be >= 1")
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 
 from rl.algos import (ADVANTAGE_TRANSFORMS, PolicyLossInputs, PolicyLossParams, compute_policy_loss, kl_loss, router_losses,
                       truncated_is_weights)
+from rl.config import AlgorithmSection, ModelSection
 
 WHITEN_SETTINGS = ("auto", True, False)
 
@@ -52,15 +53,14 @@ def loss_advantages(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, advantag
 
 @dataclass(frozen=True)
 class RLObjective:
-    policy_loss: str = "ppo_clip"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float = 2.0  # <= 0 disables truncated importance sampling
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    router_aux_coef: float = 0.001
-    router_z_coef: float = 0.0
-
+    policy_loss: str = AlgorithmSection.policy_loss
+    clip_low: float = AlgorithmSection.clip_low
+    clip_high: float = AlgorithmSection.clip_high
+    tis_cap: float = AlgorithmSection.tis_cap  # <= 0 disables truncated importance sampling
+    kl_coef: float = AlgorithmSection.kl_coef
+    kl_estimator: str = AlgorithmSection.kl_estimator
+    router_aux_coef: float = ModelSection.router_aux_loss_coef
+    router_z_coef: float = ModelSection.router_z_loss_coef
     def __call__(self, logprobs_BT: torch.Tensor, mb: Any, router_logits: Sequence[torch.Tensor] | None = None,
                  routes_LNK: torch.Tensor | None = None, token_mask_N: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, float]]:

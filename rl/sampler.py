@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Mapping, Sequence, TypeVar
 
+from rl.config import EnvsSection
 from rl.types import RolloutGroup
 
 T = TypeVar("T")
@@ -112,15 +113,15 @@ def learnability(s: UnitStats) -> float:
 class DomainSampler(Generic[T]):
     pools: Mapping[str, Sequence[T]]  # domain -> its train tasks
     weights: dict[str, float]
-    seed: int = 0
-    adaptive: bool = False
-    min_weight: float = 0.05
+    seed: int = EnvsSection.seed
+    adaptive: bool = EnvsSection.adaptive_weights
+    min_weight: float = EnvsSection.min_weight
     ema: float = 0.5  # smoothing of the variance / learnability signal
-    rule: Rule = "variance"
-    level: Level = "domain"
+    rule: Rule = EnvsSection.sampler_rule
+    level: Level = EnvsSection.sampler_level
     families: Mapping[str, str] | None = None  # domain -> family (the run record's); needed for level="family"
-    dump_c: float = 1.0
-    dump_temperature: float = 0.1
+    dump_c: float = EnvsSection.dump_c
+    dump_temperature: float = EnvsSection.dump_temperature
     dump_window: int = 256  # samples per unit in DUMP's sliding window
     _rng: random.Random = field(init=False, repr=False)
     _order: dict[str, list[int]] = field(init=False, repr=False)

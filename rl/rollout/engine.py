@@ -53,13 +53,13 @@ import numpy as np
 from rl.rollout.engine_platform import (EngineError, check_update_complete, gpu_llm_kwargs, has_recurrent_layers,
                                        num_experts_of, reload_with_moe_fix, routed_experts_supported,
                                        seeded_cpu_llm_kwargs, seeded_requests_blocker)
+from rl.rollout.config import RolloutSection
 from rl.rollout.multimodal import engine_prompt, image_token_ban, vision_llm_kwargs
 
 if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~8 s
     import torch
     from vllm import LLM
 
-    from rl.config import RolloutSection
     from rl.types import TokenImage
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,16 @@ FinishReason = Literal["stop", "length", "abort"]
 # ----------------------------------------------------------------------------- typed records
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to build one rollout engine. Mirrors `rl.config.RolloutSection` plus the model path."""
+    """How to build one rollout engine: the `rollout` section's engine keys (their defaults are that section's,
+    rl/rollout/config.py) plus the model path. `dtype` is the engine's own: float32 when built without a run
+    (tests, benchmarks); a run passes `rollout.dtype`."""
 
     model_path: str  # HF checkpoint directory (config.json + safetensors + tokenizer)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  # auto: bf16 on CPU where the kernels need it (HybridMoe, Qwen3-Next; model/families.py), else fp32
-    max_model_len: int = 2048
-    kv_cache_gib: float = 1.0  # CPU: passed as kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it if set); GPUs use gpu_memory_utilization
-    gpu_memory_utilization: float = 0.85
-    enforce_eager: bool = True  # CPU compile costs ~20 s at start-up; eager keeps tests fast
+    max_model_len: int = RolloutSection.max_model_len
+    kv_cache_gib: float = RolloutSection.kv_cache_gib  # CPU: passed as kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it if set); GPUs use gpu_memory_utilization
+    gpu_memory_utilization: float = RolloutSection.gpu_memory_utilization
+    enforce_eager: bool = RolloutSection.enforce_eager  # CPU compile costs ~20 s at start-up; eager keeps tests fast
     seed: int = 0
     max_num_seqs: int = 256
     tokenizer: str | None = None  # default: the checkpoint directory
@@ -93,10 +95,10 @@ class EngineConfig:
     # max_model_len, and no prefix caching for models with recurrent layers, whose "align" cache mode
     # splits prefills at block boundaries). False: vLLM's defaults; seeded requests are refused on CPU.
     # No effect on GPUs (their generators rewind). See docs/rollout.md, "Determinism".
-    seeded_requests: bool = True
+    seeded_requests: bool = RolloutSection.seeded_requests
     # GPU only, untested on a GPU in this project so far (docs/training.md "GPU paths"). vLLM tensor-parallel
     # ranks: > 1 runs them as vLLM worker processes ("mp" executor) on the GPUs Ray gave this worker.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = RolloutSection.tensor_parallel_size
     # "nccl": build vLLM's NCCL weight-transfer engine into every worker process, so the trainer can
     # broadcast syncs straight into the GPUs (rl/rollout/nccl_sync.py); None: syncs arrive as tensors.
     weight_transfer: Literal["nccl"] | None = None
@@ -110,7 +112,7 @@ class EngineConfig:
     threads: int | None = None
     # Images per prompt the engine takes (HybridMoe only, rl/rollout/multimodal.py); 0: text only (the
     # patch embedding is not built). > 0 for a model without a vision tower is refused at start.
-    max_images_per_prompt: int = 0
+    max_images_per_prompt: int = RolloutSection.max_images_per_prompt
     extra_llm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def __post_init__(self) -> None:
@@ -134,7 +136,7 @@ class EngineConfig:
     @staticmethod
     def from_rollout_section(section: "RolloutSection", model_path: str, seed: int = 0,
                              weight_transfer: Literal["nccl"] | None = None) -> "EngineConfig":
-        """Build from `rl.config.RolloutSection` (dtype 'auto' -> float32 where the kernels allow it);
+        """Build from the `rollout` section (dtype 'auto' -> float32 where the kernels allow it);
         `weight_transfer="nccl"` when the run syncs over NCCL (trainer.sync_transport)."""
         return EngineConfig(
             model_path=str(model_path),
@@ -144,7 +146,7 @@ class EngineConfig:
             gpu_memory_utilization=section.gpu_memory_utilization,
             enforce_eager=section.enforce_eager,
             seed=seed,
-            seeded_requests=bool(getattr(section, "seeded_requests", True)),  # a RolloutSection field if the config grows one
+            seeded_requests=section.seeded_requests,
             tensor_parallel_size=section.tensor_parallel_size,
             weight_transfer=weight_transfer,
             threads=section.threads_per_worker,

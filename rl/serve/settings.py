@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping
 
 from jointrl.records import ThinkingTier as Tier
-from rl.config import ModelSection, RolloutSection
+from rl.config import ModelSection
+from rl.rollout.config import RolloutSection, default_thinking_budgets
 from rl.rollout.tiers import TIERS, tier_budget
 # Effort names a request may send (`reasoning_effort`, `thinking_budget`, Responses `reasoning.effort`) -> tier.
 # OpenAI's four efforts fold onto the three tiers: minimal and low are `low`; medium (OpenAI's default) and
@@ -26,20 +27,16 @@ class ServeError(RuntimeError):
     """The server cannot start (bad model argument, unsafe binding, ...), with a message naming why."""
 
 
-def _default_budgets() -> dict[str, int]:
-    return dict(RolloutSection().thinking_budgets)  # one source of truth: the rollout config defaults
-
-
 @dataclass(frozen=True)
 class ServeSettings:
     """How the server builds its engine and answers requests."""
 
-    max_model_len: int = 2048  # context length of the engine (prompt + reply)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32, bfloat16 for models with delta layers on CPU (vLLM's CPU kernel needs it)
-    kv_cache_gib: float = 1.0  # KV-cache size of the engine
-    enforce_eager: bool = True  # no graph capture / compilation at start-up
-    seed: int = 0  # engine seed, and the random-init seed of a shipped config
-    thinking_budgets: Mapping[str, int] = field(default_factory=_default_budgets)  # tier -> tokens; < 0 = no cap
+    max_model_len: int = RolloutSection.max_model_len  # context length of the engine (prompt + reply)
+    dtype: Literal["auto", "float32", "bfloat16"] = RolloutSection.dtype  # auto: float32, bfloat16 for models with delta layers on CPU (vLLM's CPU kernel needs it)
+    kv_cache_gib: float = RolloutSection.kv_cache_gib  # KV-cache size of the engine
+    enforce_eager: bool = RolloutSection.enforce_eager  # no graph capture / compilation at start-up
+    seed: int = ModelSection.seed  # engine seed, and the random-init seed of a shipped config
+    thinking_budgets: Mapping[str, int] = field(default_factory=default_thinking_budgets)  # tier -> tokens; < 0 = no cap
     default_tier: Tier = "high"  # when a request names no thinking budget
     max_n: int = 8  # largest `n` accepted
     served_names: tuple[str, ...] = ()  # model names the server answers to (repeat the flag for aliases); default: the config or checkpoint directory name
@@ -109,7 +106,7 @@ def _help(name: str) -> str:
 
 
 def _budgets(text: str) -> dict[str, int]:
-    out = _default_budgets()
+    out = default_thinking_budgets()
     for item in text.split(","):
         k, _, v = item.partition("=")
         if k not in TIERS or not v.strip().lstrip("-").isdigit():

@@ -40,20 +40,22 @@ from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, micro_batc
 from rl.trainer.engine import deepspeed_config, load_policy
 from rl.trainer.packing import PrefixPack, pack_micro_batch, packed_values, packing_enabled
 from rl.trainer.tiled import head_inputs
+from rl.config import AlgorithmSection, ModelSection
+from rl.trainer.config import TrainerSection
 
 
 @dataclass(frozen=True)
 class CriticSpec:
-    lr: float = 1e-5
-    value_clip: float = 0.2  # <= 0: plain squared error
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    zero_stage: int = 1
-    micro_batch_size: int = 4
-    dtype: str = "float32"
-    prefix_sharing: str = "auto"  # auto | on | off, as the policy's (rl/trainer/packing.py)
-    activation_checkpointing: str = "auto"  # off | on | auto, as the policy's (rl/trainer/checkpointing.py)
-    max_tokens_per_micro_batch: int = 0  # as the policy's (rl/trainer/batch.py MicroBatching)
+    lr: float = TrainerSection.critic_lr
+    value_clip: float = AlgorithmSection.value_clip  # <= 0: plain squared error
+    weight_decay: float = TrainerSection.weight_decay
+    grad_clip: float = TrainerSection.grad_clip
+    zero_stage: int = TrainerSection.zero_stage
+    micro_batch_size: int = TrainerSection.micro_batch_size
+    dtype: str = ModelSection.dtype
+    prefix_sharing: str = TrainerSection.prefix_sharing  # auto | on | off, as the policy's (rl/trainer/packing.py)
+    activation_checkpointing: str = TrainerSection.activation_checkpointing  # off | on | auto, as the policy's (rl/trainer/checkpointing.py)
+    max_tokens_per_micro_batch: int = TrainerSection.max_tokens_per_micro_batch  # as the policy's (rl/trainer/batch.py MicroBatching)
 
     @property
     def micro(self) -> MicroBatching:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
 import torch
+from rl.trainer.config import LoraSection
 
 LORA_TARGETS: tuple[str, ...] = ("attention", "mlp", "experts")
 LORA_SYNCS: tuple[str, ...] = ("auto", "adapter", "merged")
@@ -40,11 +41,11 @@ _PEFT_PREFIX = "base_model.model."
 class LoraSpec:
     """`trainer.lora` as the trainer needs it; rank 0 = full fine-tuning (no adapters)."""
 
-    rank: int = 0
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapters' input, training only (no effect on the experts' ParamWrapper: must be 0)
-    targets: tuple[str, ...] = ("attention",)
-    sync: Literal["auto", "adapter", "merged"] = "auto"  # "auto" is resolved by `lora_sync_path` before the trainer starts
+    rank: int = LoraSection.rank
+    alpha: float = LoraSection.alpha  # the update is scaled by alpha / rank
+    dropout: float = LoraSection.dropout  # on the adapters' input, training only (no effect on the experts' ParamWrapper: must be 0)
+    targets: tuple[str, ...] = field(default_factory=lambda: tuple(LoraSection().targets))
+    sync: Literal["auto", "adapter", "merged"] = LoraSection.sync  # "auto" is resolved by `lora_sync_path` before the trainer starts
 
     @property
     def enabled(self) -> bool:

@@ -33,6 +33,8 @@ from rl.trainer.lora import LoraSpec
 from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
                                 packing_enabled, unpack_routes)
 from rl.trainer.tiled import head_inputs, tiled_packed_logprobs, tiled_token_logprobs, tiling_refusal
+from rl.config import ModelSection
+from rl.trainer.config import TrainerSection
 
 log = get_logger("trainer")
 
@@ -43,22 +45,22 @@ Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 class TrainerSpec:
     """What the trainer needs from the run config (kept small so tests can build one by hand)."""
 
-    zero_stage: int = 1
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    micro_batch_size: int = 4
-    dtype: str = "float32"
-    seed: int = 0
-    routing_replay: str = "auto"  # auto | r3 | r2 | off
-    freeze_router_bias: bool = True
+    zero_stage: int = TrainerSection.zero_stage
+    lr: float = TrainerSection.lr
+    weight_decay: float = TrainerSection.weight_decay
+    grad_clip: float = TrainerSection.grad_clip
+    warmup_steps: int = TrainerSection.warmup_steps
+    micro_batch_size: int = TrainerSection.micro_batch_size
+    dtype: str = ModelSection.dtype
+    seed: int = ModelSection.seed
+    routing_replay: str = ModelSection.routing_replay  # auto | r3 | r2 | off
+    freeze_router_bias: bool = ModelSection.freeze_router_bias
     lora: LoraSpec = LoraSpec()  # rank 0: full fine-tuning; else only peft adapters train (rl/trainer/lora.py)
-    frozen_layers: int = 0  # the input embeddings and decoder layers [0, N) do not train (see freeze_bottom_layers)
-    prefix_sharing: str = "auto"  # auto | on | off: pack a group's shared prompt as a token tree (rl/trainer/packing.py)
-    logprob_tile_tokens: int = 1024  # logprobs from the head in tiles of this many tokens (rl/trainer/tiled.py); 0: full logits
-    activation_checkpointing: str = "auto"  # off | on | auto (rl/trainer/checkpointing.py)
-    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by padded tokens, not rows (rl/trainer/batch.py MicroBatching)
+    frozen_layers: int = TrainerSection.frozen_layers  # the input embeddings and decoder layers [0, N) do not train (see freeze_bottom_layers)
+    prefix_sharing: str = TrainerSection.prefix_sharing  # auto | on | off: pack a group's shared prompt as a token tree (rl/trainer/packing.py)
+    logprob_tile_tokens: int = TrainerSection.logprob_tile_tokens  # logprobs from the head in tiles of this many tokens (rl/trainer/tiled.py); 0: full logits
+    activation_checkpointing: str = TrainerSection.activation_checkpointing  # off | on | auto (rl/trainer/checkpointing.py)
+    max_tokens_per_micro_batch: int = TrainerSection.max_tokens_per_micro_batch  # > 0: micro-batches by padded tokens, not rows (rl/trainer/batch.py MicroBatching)
 
     @property
     def micro(self) -> MicroBatching:

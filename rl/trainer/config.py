@@ -1,0 +1,84 @@
+"""The `trainer` section of the run config (with its `trainer.lora` subsection): the DeepSpeed trainer ranks,
+the optimizer, SFT and checkpoints, weight sync.
+
+Declared here, once, with every key's default; rl/config.py composes it into RunConfig (YAML, dotted
+overrides, coercion, cross-section checks). `TrainerSpec`, `CriticSpec` and `LoraSpec` take their defaults
+from these fields. Nothing here starts a trainer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+@dataclass
+class LoraSection:
+    """LoRA adapters on the policy (rl/trainer/lora.py, docs/training.md "LoRA"); rank 0 = full fine-tuning."""
+
+    rank: int = 0  # adapter rank r (1..512); 0 = no adapters, every weight trains
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input while training; must be 0 with the 'experts' target
+    # any of: attention (q/k/v/o and gated-delta in/out projections), mlp (dense and shared-expert MLPs),
+    # experts (the fused expert tensors of MoE layers, one rank-r pair per expert)
+    targets: list[str] = field(default_factory=lambda: ["attention"])
+    # auto: the adapter alone where the engines can serve it (vLLM LoRA requests), else merged weights
+    # (only the adapted tensors); adapter: refuse at start-up where impossible; merged: always merge
+    sync: Literal["auto", "adapter", "merged"] = "auto"
+
+
+@dataclass
+class TrainerSection:
+    """DeepSpeed trainer."""
+
+    num_workers: int = 1  # DeepSpeed ranks, one Ray actor each in one placement group (rl/trainer/group.py)
+    cpus_per_rank: float = 1.0  # Ray resources of each rank's bundle
+    gpus_per_rank: float = 0.0  # > 0: NCCL between ranks; 0: gloo on CPU
+    # A custom Ray resource every rank's bundle requires ("" = none): ranks go only to nodes started
+    # with it, NODE_RESOURCE_UNIT each (see rollout.node_resource)
+    node_resource: str = ""
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    lr: float = 1e-5
+    critic_lr: float = 1e-5  # algorithm.advantage = gae
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 4
+    steps: int = 10
+    sft_steps: int = 0
+    sft_lr: float = 1e-3
+    sft_tasks_per_domain: int = 0  # train tasks whose reference solutions make the SFT set; 0 = max(4, 4 x tasks_per_step)
+    # A JSONL file of demonstrations (assistant turns per train task, rl/sft.py) that replaces the references
+    # as the SFT set, used as given whatever it scores; "" = the references. Relative to the working directory.
+    sft_data: str = ""
+    tasks_per_step: int = 4
+    async_mode: bool = False  # updates overlap later steps' rollouts
+    max_staleness: int = 1  # async mode: at most this many updates run behind the rollouts (policy-version lag <= k)
+    sync_bucket_mb: int = 64
+    sync_format: Literal["fp32", "bf16", "mxfp4"] = "fp32"
+    # auto: /dev/shm when every rollout worker shares the trainer's node (and it has room), else Ray's
+    # object store; $JOINTRL_SYNC_TRANSPORT overrides (docs/rollout.md, weight sync). nccl (GPU only,
+    # untested on a GPU so far): rank 0 broadcasts into the workers' GPUs (rl/rollout/nccl_sync.py)
+    sync_transport: Literal["auto", "shm", "object_store", "nccl"] = "auto"
+    checkpoint_every: int = 0  # 0 = only at the end
+    resume: bool = True
+    lora: LoraSection = field(default_factory=LoraSection)
+    # The input embeddings and the first N decoder layers do not train (with tied embeddings the LM head
+    # neither): backward stops at layer N and no optimizer moments are kept for them. 0 = all train.
+    frozen_layers: int = 0
+    # Shared-prefix packing of the policy, reference and critic forwards (rl/trainer/packing.py): a GRPO group's
+    # rows become one token tree, so the prompt they share is computed once; exact, not an approximation.
+    # auto: on where the model's attention takes a tree mask (model/families.py `packs`) and a micro-batch
+    # costs less packed; on: the same, but a model that cannot pack is a start-up error; off: padded rows.
+    prefix_sharing: Literal["auto", "on", "off"] = "auto"
+    # torch intra-op threads of each trainer rank. In sync mode on a CPU machine the engines idle while the
+    # trainer works, so the trainer may take every core (docs/training.md, "Knobs on 2 cores").
+    threads_per_rank: int = 1
+    # Long sequences (docs/training.md, "Long sequences"). Per-token logprobs from the LM head in tiles of this
+    # many tokens, each recomputed in the backward (rl/trainer/tiled.py): memory stays one tile's logits at any
+    # length; 0 = the model's full logits.
+    logprob_tile_tokens: int = 1024
+    # Decoder layers keep only their inputs and re-run in the backward (rl/trainer/checkpointing.py), policy and
+    # critic. auto: only micro-batches whose estimated activations pass 4 GiB (short sequences keep their speed).
+    activation_checkpointing: Literal["off", "on", "auto"] = "auto"
+    # > 0: micro-batches hold as many rows as fit this many padded tokens (rows x longest row; a longer row runs
+    # alone), whatever trainer.micro_batch_size says; 0 = trainer.micro_batch_size rows each.
+    max_tokens_per_micro_batch: int = 0
