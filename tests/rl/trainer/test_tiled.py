@@ -110,6 +110,42 @@ def test_head_inputs_of_a_transformers_model(tmp_path):
         assert m(input_ids=ids, logits_to_keep=5).logits.shape == full.shape  # the hook is gone
 
 
+def test_short_answers_cost_what_full_logits_cost(tmp_path):
+    """What a step at 2k tokens pays for tiles (`trainer.logprob_tile_tokens`): with the loss window within one
+    tile, the forward + backward of a transformers model and its tiled logprobs counts the FLOPs of the same
+    model's full logits and `token_logprobs`, less one head row (the full logits carry a row no target reads, the
+    cut forward one row without a backward). Past one tile, what is added is the head's forward over the window
+    once more (the recompute), from counting: 2 x rows x hidden x vocab."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+
+    m = AutoModelForCausalLM.from_pretrained(str(build_tiny_checkpoint(tmp_path / "m", TinyModelSpec(kind="mixtral"))))
+    D, V = m.config.hidden_size, m.config.vocab_size
+    ids = torch.randint(3, V, (1, 40), generator=torch.Generator().manual_seed(0))
+    W = 17  # logits for the last 17 positions: 16 targets
+
+    def flops(tile: int) -> int:
+        m.zero_grad()
+        with FlopCounterMode(display=False) as fc:
+            if tile:
+                with head_inputs(m) as (head, seen):
+                    m(input_ids=ids, logits_to_keep=W)
+                lp = tiled_token_logprobs(head, seen[0], ids, tile)
+            else:
+                lp = token_logprobs(m(input_ids=ids, logits_to_keep=W).logits, ids)
+            lp.sum().backward()
+        return fc.get_total_flops()
+
+    full, one_tile, four_tiles = flops(0), flops(16), flops(4)
+    row = 2 * D * V  # one head row's forward
+    # full: 17 rows forward and backward (3 matmuls each); tiled: the cut row's forward (no loss reads it, so no
+    # backward) and 16 rows forward and backward
+    assert one_tile == full - 2 * row
+    assert four_tiles == one_tile + 16 * row
+
+
 def test_refusals_and_why_deepspeed_tiled_compute_does_not_fit():
     from types import SimpleNamespace
 
