@@ -291,11 +291,6 @@ def expert_load_DLE(stats: MoeBatchStats) -> np.ndarray:
         return np.where(n > 0, stats.counts_DLE * stats.num_experts / np.where(n > 0, n, 1), np.nan)
 
 
-def expert_domain_matrix(stats: MoeBatchStats) -> np.ndarray:
-    """[D, E] layer-averaged expert load per domain (the heatmap of the report)."""
-    return expert_load_DLE(stats).mean(axis=1)
-
-
 def expert_domain_mi(stats: MoeBatchStats) -> float:
     """I(expert; domain) in nats from the joint assignment counts, averaged over layers."""
     mis = []

@@ -12,7 +12,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from tests.rl.observe.dash_moe_cases import DOMS, all_reduce_worker, random_case
 from rl.algos.router import load_balance_loss, router_z_loss
 from rl.observe.moe import (
-    expert_domain_matrix,
+    expert_load_DLE,
     fresh_routes,
     MoeStepTelemetry,
     moe_batch_stats,
@@ -157,7 +157,7 @@ def test_hand_computed_load_violation_and_mutual_information():
     assert m["moe/load_e000/x"] == 2.0 and m["moe/load_e002/x"] == 0.0  # half of x's slots each on 2 of 4 experts
     assert m["moe/max_vio/x"] == 1.0 and m["moe/max_vio/all"] == 0.0  # each domain skewed, together balanced
     assert m["moe/expert_domain_mi/all"] == pytest.approx(math.log(2))  # expert choice reveals the domain
-    M = expert_domain_matrix(moe_batch_stats(routes, dom, ("x", "y"), 4))
+    M = expert_load_DLE(moe_batch_stats(routes, dom, ("x", "y"), 4)).mean(axis=1)  # [D, E], layers averaged
     np.testing.assert_allclose(M, [[2, 2, 0, 0], [0, 0, 2, 2]])
     # Same routes for both domains: no affinity.
     m2 = moe_telemetry(torch.tensor([[[0, 1], [2, 3]] * 4]), dom, ("x", "y"), 4)
