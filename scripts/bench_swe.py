@@ -7,8 +7,9 @@
    bubblewrap sandbox (what grading costs), their ratio, and whether the runner of `--before`
    (one process, in-process recorder) gives the same outcomes as the current one (judge + worker).
 2. Per small-set instance, with its reference fix: grading time the `--before` way and the
-   current way (`grader.grade`: edit validation and splice, canaries, judge + worker, allowlisted
-   mounts), interleaved, median of `--repeats`, in wall time and in CPU time (this process plus
+   current way (`grader.grade`: edit validation and splice, tests transformed to report values,
+   canaries, judge + worker, allowlisted mounts, the comparison with the cached reference, whose
+   one-off build per library is timed first), interleaved, median of `--repeats`, in wall time and in CPU time (this process plus
    the sandboxes it waited for). Both must resolve. The `--before` way is that
    revision's code, read with `git show`: for a revision from before the judge/worker runner,
    its `envs/swe/runner.py` (one pytest process writing its own result, whole `/usr` and
@@ -24,6 +25,12 @@ Needs the sdists and the small set in the cache (builds them otherwise) and root
 instead undoes every mutation of every library (what a reference fix is, for any instance a
 build could pick) and counts how many edit validation (editcheck.py) would reject: it must be 0.
 No sandbox needed; ~15 min on the shared 2-core machine.
+
+    .venv/bin/python scripts/bench_swe.py --judge-sweep [LIBRARY ...] [--per-library 25]
+
+instead checks the value judge (observe.py) against pytest's verdict on sampled mutations
+(`judge_sweep`): tests pytest fails that the judge passes must be 0, and the pristine library
+must pass every test under the judge. No sandbox needed.
 """
 from __future__ import annotations
 
@@ -300,6 +307,16 @@ def main() -> int:
               f"{'yes' if same else 'NO':>16}")
 
     small = B.ensure_built(B.SMALL, log=lambda *x: None)
+    from envs.swe import observe as O
+
+    for name in sorted({inst.library for inst in small}):  # once per library, then cached on disk
+        lib = L.get_library(name)
+        path = O._cache_path(lib)
+        built = not path.exists()
+        t0, c0 = time.monotonic(), cpu_now()
+        O.reference(backend, lib)
+        print(f"value-judge reference of {lib.key}: {'built' if built else 'cached'} in "
+              f"{time.monotonic() - t0:.1f} s wall, {cpu_now() - c0:.1f} s CPU ({O.REFERENCE_RUNS} sandboxed runs)")
     print(f"\ngrading per small-set instance (reference fix), before = {a.before}'s runner, median of {a.repeats}:")
     print(f"{'instance':<58}{'before s':>10}{'after s':>10}{'after/before':>14}{'cpu bef':>10}{'cpu aft':>10}"
           f"{'cpu a/b':>10}")

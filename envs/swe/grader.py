@@ -13,23 +13,26 @@ Steps (after `kill_all` of the agent's sandbox):
    `editcheck.splice(start, agent)`, the starting file with the agent's functions put in place,
    so none of the agent's import-time code (annotations, decorators, class bodies ...) runs.
 3. Build the grading tree: the package and test directories with the original tests (hidden
-   FAIL_TO_PASS tests included), the buggy library, the agent's spliced library files on top, and a few
-   *canary* tests with fresh random names appended to the test files that hold FAIL_TO_PASS
-   tests: each asserts something false, so an honest run reports it failed.
+   FAIL_TO_PASS tests included) rewritten to report values instead of asserting, literal
+   operands removed (observe.py), the buggy library, the agent's spliced library files on top,
+   and a few *canary* tests with fresh random names appended to the test files that hold
+   FAIL_TO_PASS tests: each asserts something false, so an honest run reports it failed.
 4. Run the suite with `runner.driver_argv` in a *pristine* sandbox (`open_pristine`) that sees
    only the allowlisted host files (mounts.py); the judge gets a fresh key on stdin and the
    result file must carry its MAC under that key.
-5. resolved = every FAIL_TO_PASS and every PASS_TO_PASS test passed, the run is believable, and
-   no canary passed. A run that produced no believable result (crash, timeout, the judge
+5. resolved = every FAIL_TO_PASS and every PASS_TO_PASS test reported the values the pristine
+   library reports (`observe.Reference`, computed in sandboxes of its own, compared here), the
+   run is believable, and no canary passed. A run that produced no believable result (crash, timeout, the judge
    refusing the worker's reports) resolves nothing (`suite_crashed`); a forged result file or a
    canary that passed, or an operation the worker's audit hook refused to library code (frames,
    heap walks, tracing, processes, raw fds) is tampering (`tampered`, with `result_forged` /
    `canary_passed` / `runtime_denied`).
 
-What the grader trusts, and why: the host-side code here and in editcheck.py (never runs agent
-code), the sandbox (envs/sandbox/), and the judge process (runner.py: no library code runs in
-it, it holds the key). It does not trust the worker's reports beyond what the judge checks, and
-treats a canary's pass as proof that they were forged.
+What the grader trusts, and why: the host-side code here, in editcheck.py and observe.py (never
+runs agent code), the sandbox (envs/sandbox/), the reference runs (pristine library, no agent
+code), and the judge process (runner.py: no library code runs in it, it holds the key). The
+worker's values are compared, not believed; its reports count only as far as the judge checks
+them, and a canary's pass is proof that they were forged.
 """
 from __future__ import annotations
 

@@ -39,7 +39,10 @@ unpickling of process modules) and import guard (library functions may not impor
 pluggy, the worker or the process modules by name); and detected afterwards by canary tests
 that must fail (grader.py). The worker reports every refusal; the judge passes them on as
 `denied`. Code that gets full control of the worker anyway is outside what these in-process
-refusals can stop: docs/swe.md says what would close that.
+refusals can stop; at grading the verdict does not rest on them: the tests are rewritten to
+report canonical values (`Observer`, one `obs` record per test, which the judge takes only once,
+inside its test, as bounded strings) and the host compares those with the pristine library's
+(observe.py).
 """
 from __future__ import annotations
 
@@ -531,10 +534,12 @@ def canon(v, depth=0):
     if t in (types.FunctionType, types.BuiltinFunctionType, types.MethodType):
         return {"F": getattr(v, "__qualname__", "?")}
     out = {"o": _qualname(t)}
-    try:  # a collection's content by iteration (never an iterator: that would consume it)
+    try:  # a collection's content by iteration (never an iterator: that would consume it), as
+        # the test's own `==` or `in` would have read it
         if isinstance(v, abc.Mapping):
-            out["keys"] = [canon(k, depth + 1) for k, _ in zip(iter(v), range(OBS_MAX_ELEMENTS))]
-        elif isinstance(v, (abc.Set, abc.Sequence)) and not isinstance(v, abc.Iterator):
+            keys = [k for k, _ in zip(iter(v), range(OBS_MAX_ELEMENTS))]
+            out["items"] = [[canon(k, depth + 1), canon(v[k], depth + 1)] for k in keys]
+        elif isinstance(v, abc.Collection) and not isinstance(v, abc.Iterator):
             out["items"] = [canon(k, depth + 1) for k, _ in zip(iter(v), range(OBS_MAX_ELEMENTS))]
     except Exception as e:
         out["err"] = _qualname(type(e))

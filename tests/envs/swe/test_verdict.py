@@ -70,6 +70,7 @@ def test_reference_compares_strings_with_masks_and_ends():
     assert not ref.passed("a", Res({}, {"a": "passed"}))  # a pass without values is no pass
     assert ref.passed("b", Res({}, {"b": "passed"})) and not ref.passed("b", Res({}, {"b": "failed"}))
     assert ref.passed("c", Res({"c": ((), "ok")})) and not ref.passed("c", Res({"c": ((), "raised x.Failed")}))
+    assert not ref.passed("d", Res({"d": ((), "ok")}, {"d": "passed"}))  # a test the reference never saw
     assert O.Reference.from_json(ref.to_json()) == ref
 
 
@@ -128,6 +129,10 @@ def test_canonical_values_are_plain_data_whatever_the_object_says():
     assert canon(Liar([9])) != canon([1, 2])  # a list subclass is not a list: its own type and items
     assert canon({"b": 1, "a": (2.5, b"x")}) == canon({"a": (2.5, b"x"), "b": 1})
     assert canon(iter([1, 2])) == {"o": "builtins.list_iterator"}  # never consumed
+    # other collections by their items (cachetools' tests assert on `cache.values()`)
+    assert canon({"a": 7}.values()) == {"o": "builtins.dict_values", "items": [7]}
+    import collections
+    assert canon(collections.ChainMap({"a": 1}))["items"] == [["a", 1]]
     obs = ns["Observer"]()
     obs.start()
     obs("cmp", "==", "vs", Liar([9]))
