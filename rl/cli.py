@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint directory (HF format) or a shipped model config name")
     p.add_argument("--config", default=None, help="YAML run config for env/rollout settings")
     p.add_argument("--tasks-per-domain", type=int, default=8, help="held-out tasks evaluated per domain (default 8)")
-    p.add_argument("--tiers", default=None, help="comma-separated thinking tiers to evaluate (low,high,max)")
+    from rl.rollout.tiers import TIERS  # light: the names of jointrl.records.ThinkingTier
+
+    p.add_argument("--tiers", default=None, help=f"comma-separated thinking tiers to evaluate ({','.join(TIERS)})")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the run config, e.g. eval.samples=2")
 
     p = sub.add_parser("serve", help="OpenAI chat-completions and Anthropic Messages endpoints over a vLLM engine")
