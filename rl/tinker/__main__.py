@@ -3,4 +3,5 @@ import sys
 
 from rl.tinker.app import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

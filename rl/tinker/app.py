@@ -367,8 +367,13 @@ def main_from_args(ns: argparse.Namespace) -> int:
     state = Path(ns.state_dir) if ns.state_dir else cache_root() / "tinker" / str(ns.port)
     limits = TinkerLimits(max_training_clients=ns.max_training_clients, queue_depth=ns.queue_depth,
                           max_batch_tokens=ns.max_batch_tokens)
+    tokenizer = None
+    if not (prepared.path / "tokenizer.json").is_file():  # a shipped config's random checkpoint: the project's tokenizer
+        from model import chat
+
+        tokenizer = str(chat.TOKENIZER_DIR)
     service = build_service(str(prepared.path), ns.model, state, limits, ns.max_model_len,
-                            None if ns.no_sampling else ns.kv_cache_gib, prepared.dtype)
+                            None if ns.no_sampling else ns.kv_cache_gib, prepared.dtype, tokenizer)
     from rl.http_run import run_until_stopped
 
     app = create_app(service, key)
@@ -382,14 +387,15 @@ def main_from_args(ns: argparse.Namespace) -> int:
 
 
 def build_service(model_dir: str, served_name: str, state_dir: Path, limits: TinkerLimits, max_model_len: int,
-                  kv_cache_gib: float | None, dtype: str = "float32") -> TinkerService:
+                  kv_cache_gib: float | None, dtype: str = "float32", tokenizer: str | None = None) -> TinkerService:
     def engine():
         from rl.rollout.engine import EngineConfig, RolloutEngine
 
-        return RolloutEngine(EngineConfig(model_path=model_dir, dtype=dtype, max_model_len=max_model_len,
+        return RolloutEngine(EngineConfig(model_path=model_dir, dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
                                           kv_cache_gib=kv_cache_gib or 1.0, reasoning_start=None, reasoning_end=None))
 
-    return TinkerService(model_dir, served_name, state_dir, limits, None if kv_cache_gib is None else engine, max_model_len)
+    return TinkerService(model_dir, served_name, state_dir, limits, None if kv_cache_gib is None else engine, max_model_len,
+                         tokenizer_dir=tokenizer or model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,8 +98,9 @@ class SamplingSession:
 
 class TinkerService:
     def __init__(self, model_dir: str, served_name: str, state_dir: Path, limits: TinkerLimits,
-                 engine_factory: Callable[[], Any] | None, max_model_len: int) -> None:
+                 engine_factory: Callable[[], Any] | None, max_model_len: int, tokenizer_dir: str | None = None) -> None:
         self.model_dir = model_dir
+        self.tokenizer_dir = tokenizer_dir or model_dir  # what get_info names as the tokenizer (get_tokenizer loads it)
         self.served_name = served_name
         self.state_dir = state_dir
         self.limits = limits
@@ -261,7 +262,7 @@ class TinkerService:
         m = self.model(model_id)
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": m.lora.rank,
                 "model_name": m.base_model, "optimizer_config": {"type": "adamw"},
-                "model_data": {"arch": self._arch(), "model_name": m.base_model, "tokenizer_id": self.model_dir}}
+                "model_data": {"arch": self._arch(), "model_name": m.base_model, "tokenizer_id": self.tokenizer_dir}}
 
     def _arch(self) -> str:
         import json

@@ -1,0 +1,89 @@
+"""rl/tinker/service.py without a trainer: what a request is refused for before any model loads.
+
+Fast: the service is built on the tests' tiny checkpoint but never starts a trainer or an engine (every
+request here is refused first). The SDK-facing behaviour of the same refusals is in test_service_sdk.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rl.tinker.models import Datum, LoraRequest
+from rl.tinker.service import TinkerError, TinkerLimits, TinkerService
+from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint
+
+LORA = LoraRequest(rank=4, seed=0, train_attn=True, train_mlp=False, train_unembed=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), TinyModelSpec(kind="qwen3_moe")))
+
+
+def _service(ckpt, tmp_path, **limits) -> TinkerService:
+    return TinkerService(ckpt, "tiny-moe", tmp_path, TinkerLimits(long_poll_s=30, **limits), None, max_model_len=64)
+
+
+def test_a_model_that_cannot_fit_is_a_failed_future_naming_the_memory(ckpt, tmp_path):
+    svc = _service(ckpt, tmp_path, memory_headroom=1e9)
+    sid = svc.create_session()
+    f = svc.retrieve(svc.create_model(sid, 0, "tiny-moe", LORA).request_id)
+    assert f.done.is_set() and f.error[1] == "user" and "cannot fit another training client" in f.error[0]
+    assert svc.models == {}  # refused: nothing held
+
+
+def test_refusals_before_anything_loads(ckpt, tmp_path):
+    svc = _service(ckpt, tmp_path)
+    sid = svc.create_session()
+    with pytest.raises(TinkerError) as e:
+        svc.create_model(sid, 0, "another-model", LORA)
+    assert e.value.status == 400 and "not served here" in e.value.message
+    with pytest.raises(TinkerError) as e:
+        svc.create_model("session-forged", 0, "tiny-moe", LORA)
+    assert e.value.status == 404
+    with pytest.raises(TinkerError) as e:
+        svc.create_model(sid, 0, "tiny-moe", LoraRequest(0, 0, True, True, True))
+    assert e.value.status == 400 and "rank" in e.value.message
+    full = _service(ckpt, tmp_path, max_training_clients=0)  # every slot taken
+    with pytest.raises(TinkerError) as e:
+        full.create_model(full.create_session(), 0, "tiny-moe", LORA)
+    assert e.value.status == 400 and "at most 0 training clients" in e.value.message
+    with pytest.raises(TinkerError) as e:
+        svc.get_info("session-x:train:0")
+    assert e.value.status == 404
+
+
+def test_checkpoint_paths_stay_in_their_session(ckpt, tmp_path):
+    svc = _service(ckpt, tmp_path)
+    a, b = svc.create_session(), svc.create_session()
+    path = f"tinker://{a}:train:0/sampler_weights/step-1"
+    _, owner = svc._owned_path(a, path, "sampler_weights")
+    assert owner == f"{a}:train:0"
+    for sid, p, status in [(b, path, 404),  # another session's checkpoint: the same answer as an unknown one
+                           (a, f"tinker://{a}:train:0/sampler_weights/../../etc", 400),
+                           (a, f"tinker://{a}:train:0/weights/x", 400),  # the wrong kind
+                           (a, "file:///etc/passwd", 400)]:
+        with pytest.raises(TinkerError) as e:
+            svc._owned_path(sid, p, "sampler_weights")
+        assert e.value.status == status, p
+    with pytest.raises(TinkerError) as e:
+        svc.create_sampling_session(b, path, None)
+    assert e.value.status == 404
+
+
+def test_datum_checks(ckpt, tmp_path):
+    svc = _service(ckpt, tmp_path, max_batch_tokens=100)
+    ok = Datum(np.arange(10), {"target_tokens": np.arange(1, 11), "weights": np.ones(10, np.float32)})
+    svc.check_data([ok], ("target_tokens", "weights"), ())
+    cases = [([ok] * 11, "tokens in one request"),
+             ([Datum(np.arange(65), {"target_tokens": np.arange(65), "weights": np.ones(65, np.float32)})], "at most 64"),
+             ([Datum(np.arange(10), {"target_tokens": np.arange(10), "weights": np.ones(9, np.float32)})], "shape"),
+             ([Datum(np.arange(10), {"target_tokens": np.arange(10)})], "lacks"),
+             ([Datum(np.arange(10), {**ok.inputs, "advantages": np.ones(10, np.float32)})], "not read"),
+             ([Datum(np.arange(10), {"target_tokens": np.arange(10), "weights": np.full(10, np.nan, np.float32)})], "non-finite"),
+             ([Datum(np.array([0, 10**6]), {"target_tokens": np.arange(2), "weights": np.ones(2, np.float32)})], "token ids"),
+             ([], "no data")]
+    for data, match in cases:
+        with pytest.raises(TinkerError, match=match) as e:
+            svc.check_data(data, ("target_tokens", "weights"), ())
+        assert e.value.status == 400
