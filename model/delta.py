@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norms import GatedRMSNorm
+from .sequence_parallel import SequenceShard, current as current_shard, halo, heads_to_sequence, sequence_to_heads
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -209,6 +210,9 @@ class GatedDeltaNet(nn.Module):
             # Returns [cached context | new inputs] (or the inputs padded to the kernel width at prefill) and
             # stores the last kernel-width inputs for the next call.
             mixed_BCT = cache.update_conv_state(mixed_BCT, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        shard = current_shard() if cache is None else None
+        if shard is not None:  # a sequence split over ranks: the conv's left context is the previous rank's last inputs
+            mixed_BCT = torch.cat([halo(mixed_BCT, self.conv_kernel_size - 1, shard), mixed_BCT], dim=-1)
         mixed_BTC = self._conv(mixed_BCT, T).transpose(1, 2)
         q, k, v = mixed_BTC.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q_BTHK = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
@@ -223,7 +227,9 @@ class GatedDeltaNet(nn.Module):
         g_BTH = -self.A_log.float().exp() * F.softplus(a_BTH.float() + self.dt_bias.float())
 
         state0 = cache.layers[self.layer_idx].recurrent_states[0] if has_state else None
-        if has_state and T == 1:
+        if shard is not None:
+            o_BTHV = self._rule_over_ranks(q_BTHK, k_BTHK, v_BTHV.float(), g_BTH, beta_BTH, shard)
+        elif has_state and T == 1:
             o, state = recurrent_gated_delta_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0].float(), g_BTH[:, 0],
                                                   beta_BTH[:, 0], state0)
             o_BTHV = o[:, None]
@@ -235,3 +241,14 @@ class GatedDeltaNet(nn.Module):
             cache.update_recurrent_state(state.detach(), self.layer_idx)
         o_BTHV = self.norm(o_BTHV.to(hidden_BTD.dtype), z_BTHV)
         return self.out_proj(o_BTHV.reshape(B, T, self.value_dim))
+
+    def _rule_over_ranks(self, q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, shard: SequenceShard) -> torch.Tensor:
+        """The chunked rule over a sequence split across ranks, split by heads instead (model/sequence_parallel.py):
+        one all-to-all gives this rank every position of H / N heads, the rule runs over the whole sequence, and a
+        second brings the outputs [B, L, H, dv] back to this rank's positions."""
+        dk, dv = self.head_k_dim, self.head_v_dim
+        packed = torch.cat([q_BLHK, k_BLHK, v_BLHV, g_BLH[..., None], beta_BLH[..., None]], dim=-1)
+        q, k, v, g, beta = heads_to_sequence(packed, shard).split([dk, dk, dv, 1, 1], dim=-1)
+        T = q.shape[1]
+        o_BThV, _ = chunk_gated_delta_rule(q, k, v, g[..., 0], beta[..., 0], None, max(1, min(self.chunk_size, T)))
+        return sequence_to_heads(o_BThV, shard)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .norms import ZeroCenteredRMSNorm
+from .sequence_parallel import ShardKeys, current as current_shard
 
 
 # ----------------------------------------------------------------------------- RoPE (Qwen3-Next conventions)
@@ -132,6 +133,12 @@ def indexer_kl_loss(attn_probs_BHTS: torch.Tensor, index_scores_BTS: torch.Tenso
     return (kl_BT * valid).sum() / valid.sum().clamp_min(1)
 
 
+def _share(loss: torch.Tensor | None, shard_keys: ShardKeys | None, B: int) -> torch.Tensor | None:
+    """A sharded forward's mean indexer loss over this rank's queries, weighted by their share of the sequence's
+    queries: the ranks' losses then add up to the unsplit forward's mean."""
+    return loss if loss is None or shard_keys is None else loss * shard_keys.query_share(B)
+
+
 # Queries per block when a layer attends more than this many at once (training, prefill): the indexer's scores,
 # the selection and the attention weights exist for one block at a time ([B, block, S] and [B, H, block, S], not
 # [B, T, S] and [B, H, T, S]: at T = S = 32k and 2 heads that is 0.27 GB a block instead of 8.6 GB), and under
@@ -185,6 +192,10 @@ class GatedIndexedAttention(nn.Module):
                 key_padding_BS: torch.Tensor | None = None, compute_indexer_loss: bool = False,
                 force_gather: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = hidden_BTD.shape
+        shard_keys = None
+        if cache is None and current_shard() is not None:  # a sequence split over ranks (model/sequence_parallel.py)
+            cache = shard_keys = ShardKeys(current_shard())
+            key_padding_BS = shard_keys.key_padding(B, hidden_BTD.device)
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         q, gate = self.q_proj(hidden_BTD).view(B, T, H, 2 * Dh).chunk(2, dim=-1)
         gate_BTX = gate.reshape(B, T, H * Dh)
@@ -202,7 +213,7 @@ class GatedIndexedAttention(nn.Module):
             out_BHTD, loss = self._attend_blocks(hidden_BTD, q_BHTD, k_BHTD, v_BHTD, cos, sin, cache, key_padding_BS,
                                                  sparse, compute_indexer_loss)
             out_BTX = out_BHTD.transpose(1, 2).reshape(B, T, H * Dh)
-            return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), loss
+            return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), _share(loss, shard_keys, B)
         visible_BTS = visible_mask(T, S, key_padding_BS, hidden_BTD.device)
 
         scores_BTS = None
@@ -229,7 +240,7 @@ class GatedIndexedAttention(nn.Module):
                         _, dense_probs = self._attend_masked(q_BHTD, k_BHTD, v_BHTD, visible_BTS, need_output=False)
                     loss = indexer_kl_loss(dense_probs, scores_BTS, visible_BTS.expand(B, T, S), query_valid)
         out_BTX = out_BHTD.transpose(1, 2).reshape(B, T, H * Dh)
-        return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), loss
+        return self.o_proj(out_BTX * torch.sigmoid(gate_BTX)), _share(loss, shard_keys, B)
 
     def _attend_blocks(self, hidden_BTD, q_BHTD, k_BHSD, v_BHSD, cos, sin, cache, key_padding_BS, sparse: bool,
                        compute_indexer_loss: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -248,7 +248,8 @@ def start_trainer(cfg: RunConfig, init_dir: Path, lora: Any) -> Any:
                        frozen_layers=t.frozen_layers, prefix_sharing=t.prefix_sharing,
                        logprob_tile_tokens=t.logprob_tile_tokens,
                        activation_checkpointing=t.activation_checkpointing,
-                       max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, **({"lora": lora.spec} if lora is not None else {}))
+                       max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, sequence_parallel_size=t.sequence_parallel_size,
+                       **({"lora": lora.spec} if lora is not None else {}))
     cache_env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_", "WANDB_"))}
     cache_env["JOINTRL_TRAINER_THREADS"] = str(t.threads_per_rank)  # read by rl/trainer/actor.py
     critic = CriticSpec(lr=t.critic_lr, value_clip=a.value_clip, weight_decay=t.weight_decay, grad_clip=t.grad_clip,

@@ -205,6 +205,7 @@ def stitch_rows(parts: Sequence[torch.Tensor], batch: TrainBatch, size: "int | M
     B, T = batch.input_ids_BT.shape
     out = parts[0].new_full((B, T, *parts[0].shape[2:]), fill)
     for idx, part in zip(rows, parts):
+        part = part[:, :T]  # a sequence-parallel micro-batch is padded past T (rl/trainer/ulysses.py); those columns are padding
         out[torch.as_tensor(idx, dtype=torch.long), : part.shape[1]] = part
     return out
 

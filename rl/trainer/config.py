@@ -82,3 +82,7 @@ class TrainerSection:
     # > 0: micro-batches hold as many rows as fit this many padded tokens (rows x longest row; a longer row runs
     # alone), whatever trainer.micro_batch_size says; 0 = trainer.micro_batch_size rows each.
     max_tokens_per_micro_batch: int = 0
+    # Ulysses sequence parallelism (rl/trainer/ulysses.py): each sequence is split over this many consecutive trainer
+    # ranks (activations per rank / N; two all-to-alls per attention layer); trainer.num_workers / N groups split the
+    # batch. Must divide trainer.num_workers; 1 = off.
+    sequence_parallel_size: int = 1

@@ -26,7 +26,7 @@ import torch
 from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
-from rl.trainer import checkpointing
+from rl.trainer import checkpointing, ulysses
 from rl.trainer.engine import deepspeed_config, init_distributed, load_policy, peak_rss_gb, reset_peak_rss  # noqa: F401
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
@@ -61,6 +61,7 @@ class TrainerSpec:
     logprob_tile_tokens: int = TrainerSection.logprob_tile_tokens  # logprobs from the head in tiles of this many tokens (rl/trainer/tiled.py); 0: full logits
     activation_checkpointing: str = TrainerSection.activation_checkpointing  # off | on | auto (rl/trainer/checkpointing.py)
     max_tokens_per_micro_batch: int = TrainerSection.max_tokens_per_micro_batch  # > 0: micro-batches by padded tokens, not rows (rl/trainer/batch.py MicroBatching)
+    sequence_parallel_size: int = TrainerSection.sequence_parallel_size  # > 1: each sequence split over this many ranks (rl/trainer/ulysses.py)
 
     @property
     def micro(self) -> MicroBatching:
@@ -121,8 +122,10 @@ class PolicyTrainer:
         self.rank = rank
         self.world_size = world_size
         init_distributed(rank, world_size, master_addr=master_addr or "127.0.0.1", master_port=master_port)
+        self.sp = ulysses.setup(spec.sequence_parallel_size, rank, world_size)
         self.model_dir = str(model_dir)
         module = load_policy(model_dir, spec.dtype)
+        self._check_sequence_parallel(module.config, "policy")
         if spec.lora.enabled:  # before anything holds the module: the peft wrapper is the policy from here on
             from rl.trainer.lora import apply_lora
 
@@ -134,7 +137,7 @@ class PolicyTrainer:
         if hasattr(module.config, "freeze_expert_bias"):  # RL practice: the aux-free selection bias stays put
             module.config.freeze_expert_bias = spec.freeze_router_bias
         self.frozen_params = freeze_bottom_layers(module, spec.frozen_layers)
-        self._packs: dict[int, bool] = {id(module): packing_enabled(spec.prefix_sharing, module.config, "policy")}
+        self._packs: dict[int, bool] = {id(module): self.sp is None and packing_enabled(spec.prefix_sharing, module.config, "policy")}
         self._tiles: dict[int, bool] = {id(module): tiling_refusal(module.config) is None}
         self._ckpt: dict[int, bool] = {id(module): checkpointing.prepare(module, spec.activation_checkpointing, "policy")}
         params = [p for p in module.parameters() if p.requires_grad]
@@ -160,11 +163,12 @@ class PolicyTrainer:
         third of what the trainable copy costs in fp32 with AdamW. It is not sharded across ranks.
         """
         ref = load_policy(model_dir, self.spec.dtype)
+        self._check_sequence_parallel(ref.config, "reference")
         ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
         self._hooks[id(ref)] = router_hooks(ref)
-        self._packs[id(ref)] = packing_enabled(self.spec.prefix_sharing, ref.config, "reference")
+        self._packs[id(ref)] = self.sp is None and packing_enabled(self.spec.prefix_sharing, ref.config, "reference")
         self._tiles[id(ref)] = tiling_refusal(ref.config) is None
         self.reference = ref
 
@@ -175,6 +179,19 @@ class PolicyTrainer:
         if not self.spec.lora.enabled:
             raise RuntimeError("use_base_reference needs trainer.lora.rank > 0")
         self.reference, self.reference_is_base = self.module, True
+
+    def _check_sequence_parallel(self, config, role: str) -> None:
+        """`trainer.sequence_parallel_size` > 1: the model must split (ulysses.model_refusal), packing is off, and
+        the HF attention function is wrapped to split inside sharded forwards."""
+        if self.sp is None:
+            return
+        problem = ulysses.model_refusal(config, self.sp.size)
+        if problem:
+            raise ValueError(f"the {role}: {problem}")
+        if self.spec.prefix_sharing == "on":
+            raise ValueError(f"trainer.prefix_sharing='on' with {ulysses.KEY}={self.sp.size}: a packed forward's tree "
+                             "mask is a [T, T] mask, which sequence-parallel attention does not take; use 'auto' or 'off'")
+        ulysses.install_hf_attention(config)
 
     # ------------------------------------------------------------------ forward helpers
     @property
@@ -196,9 +213,13 @@ class PolicyTrainer:
         pack = self._pack_of(mb, module)
         m = module if module is not None else self.module
         tile = self.spec.logprob_tile_tokens if self._tiles.get(id(m), False) else 0
+        shard = ulysses.current()
         if self._ckpt.get(id(m), False):
-            n = pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel()
+            n = pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel() // (shard.size if shard else 1)
             checkpointing.set_active(m, checkpointing.wanted(self.spec.activation_checkpointing, n, m.config))
+        if shard is not None:  # this rank's part of a sequence-parallel group's micro-batch (rl/trainer/ulysses.py)
+            out, lp = ulysses.sharded_logprobs(self._run, m, mb, shard, replay_BTLK, router_logits, module, tile)
+            return out, lp, None
         ids, lmask = mb.input_ids_BT, mb.loss_mask_BT
         with head_inputs(m) if tile else nullcontext((None, None)) as (head, hidden):
             if pack is None:
@@ -256,16 +277,17 @@ class PolicyTrainer:
     def _router_logits(self, out) -> list[torch.Tensor] | None:
         """Per MoE layer router logits [B*T, E] of the last forward of the policy (with their graph)."""
         hooks = self._hooks_of(None)
-        return hooks.router_logits() if hooks is not None else getattr(out, "router_logits", None)
+        lg = hooks.router_logits() if hooks is not None else getattr(out, "router_logits", None)
+        return lg if lg is None else [ulysses.gather_tokens(x, 0) for x in lg]  # sequence parallel: the whole micro-batch's
 
     def _routes_used_LNK(self, out, router_logits) -> torch.Tensor | None:
         """The expert ids the forward actually used, [L, B*T, k] (for the router terms and R2)."""
         hooks = self._hooks_of(None)
         if hooks is not None:  # recorded by the router hooks: exact for group-limited (DeepSeek-V3) routers too
-            return hooks.used_LNK()
+            return ulysses.gather_tokens(hooks.used_LNK(), 1)
         r = getattr(out, "routed_experts", None)
         if r is not None:
-            return r
+            return ulysses.gather_tokens(r, 1)
         if not router_logits:
             return None
         k = int(getattr(self.module.config, "num_experts_per_tok", 2))
@@ -283,8 +305,10 @@ class PolicyTrainer:
             return "off"  # R3 asked for but the engine reported no routes; logged by the caller
         return "r2"
 
-    def _micro_batches(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> list[tuple[TrainBatch, bool]]:
-        return micro_batches(batch, self.spec.micro, n_micro, pad_only)
+    def _micro_batches(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> Iterator[tuple[TrainBatch, bool]]:
+        """The micro-batches to run; with sequence parallelism each is padded and run as this rank's part of it."""
+        mbs = micro_batches(batch, self.spec.micro, n_micro, pad_only)
+        return iter(mbs) if self.sp is None else ulysses.shard_micro_batches(mbs, self.sp)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False
@@ -358,12 +382,13 @@ class PolicyTrainer:
                 fwd_tokens += pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel()
             router_logits = self._router_logits(out)
             routes_LNK = self._routes_used_LNK(out, router_logits)
-            if not padding and tele is not None and routes_LNK is not None and router_logits:
-                hooks = self._hooks_of(None)
+            hooks = self._hooks_of(None)
+            fresh = ulysses.gather_tokens(hooks.fresh_LNK(), 1) if hooks is not None and replay is not None else None
+            counts = not padding and (self.sp is None or self.sp.rank == 0)  # a sequence-parallel group counts once
+            if counts and tele is not None and routes_LNK is not None and router_logits:
                 tele.add(pack.tokens(mb.domains) if pack is not None else mb, routes_LNK.detach(),
-                         [lg.detach() for lg in router_logits], replayed=replay is not None,
-                         fresh_routes_LNK=hooks.fresh_LNK() if hooks is not None and replay is not None else None)
-            elif padding and tele is not None and routes_LNK is not None:
+                         [lg.detach() for lg in router_logits], replayed=replay is not None, fresh_routes_LNK=fresh)
+            elif not counts and tele is not None and routes_LNK is not None:
                 tele.add_padding(mb.domains, routes_LNK)
             # The objective's weights come from the whole step batch, so micro-batch losses just add up.
             # Packed, the router terms average over the tree's nodes: a shared prompt token counts once.
@@ -373,7 +398,7 @@ class PolicyTrainer:
             if idx_loss is not None:  # DSA indexer (its input is detached inside the model)
                 coef = float(getattr(self.module.config, "indexer_loss_coef", 0.0))
                 loss = loss + coef * idx_loss * (mb.num_seqs / step_seqs)
-                m["dsa/indexer_loss"] = float(idx_loss.detach())
+                m["dsa/indexer_loss"] = float(ulysses.group_sum(idx_loss))  # sequence parallel: the ranks' parts
             if padding:
                 loss = loss * 0.0  # keeps the collective backward in step, adds nothing
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
@@ -421,7 +446,7 @@ class PolicyTrainer:
             "train/seqs": float(B),
             "train/routing_replay_" + mode: 1.0,
         })
-        return metrics
+        return ulysses.follower_metrics(metrics, self.sp)
 
     def sft_step(self, batch: TrainBatch, n_micro: int = 0, pad_only: bool = False) -> dict[str, float]:
         """Supervised step: mean NLL of the loss-masked (assistant) tokens of the whole step batch
@@ -444,7 +469,8 @@ class PolicyTrainer:
         grad_norm = self._grad_norm()
         self.step_count += 1
         self.version += 1
-        return {"sft/nll": nll_sum, "sft/grad_norm": grad_norm, "train/seqs": 0.0 if pad_only else float(batch.num_seqs)}
+        return ulysses.follower_metrics({"sft/nll": nll_sum, "sft/grad_norm": grad_norm,
+                                         "train/seqs": 0.0 if pad_only else float(batch.num_seqs)}, self.sp)
 
     def _expert_bias_step(self) -> None:
         """Aux-loss-free balancing (DeepSeek-V3): move each expert's selection bias by the sign of its

@@ -22,8 +22,7 @@ def test_long_sequence_keys():
         load_config(None, ["trainer.logprob_tile_tokens=-1"])
     with pytest.raises(ConfigError, match="'trainer.max_tokens_per_micro_batch': value -5 must be >= 0"):
         load_config(None, ["trainer.max_tokens_per_micro_batch=-5"])
-    with pytest.raises(ConfigError, match="trainer.sequence_parallel_size"):  # not built: an unknown key, not a dead one
-        load_config(None, ["trainer.sequence_parallel_size=2"])
+    # trainer.sequence_parallel_size: tests/rl/trainer/test_sequence_parallel.py
 
 
 def test_trainer_spec_modes_are_checked():
