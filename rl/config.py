@@ -25,6 +25,7 @@ from rl.errors import ConfigError  # noqa: F401  (re-exported: callers import it
 # Sections owned by their components, composed here (and re-exported: callers import them from here too).
 from rl.observe.config import LoggingSection  # noqa: F401
 from rl.rollout.config import RolloutSection  # noqa: F401
+from rl.tasks import EnvsSection  # noqa: F401
 from rl.trainer.config import LoraSection, TrainerSection  # noqa: F401
 
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -73,29 +74,6 @@ class ModelSection:
     # hf codec: vLLM's reasoning parser by name (qwen3, deepseek_r1, openai_gptoss, ...); "" = the model has
     # no reasoning format, and the thinking tiers only cap each turn's generated tokens.
     reasoning_parser: str = ""
-
-
-@dataclass
-class EnvsSection:
-    """Environments and the joint sampler."""
-
-    weights: dict[str, float] = field(default_factory=lambda: {"terminal": 1.0})  # domain -> sampling weight
-    env_ids: dict[str, str] = field(default_factory=lambda: {"terminal": "terminal-v0", "swe": "swe-v0", "browse": "browse-v0", "cad": "cad-v0"})
-    adaptive_weights: bool = False  # move the weights after each step by `sampler_rule` (rl/sampler.py)
-    min_weight: float = 0.05  # floor for adaptive weights so no domain (or family) starves
-    # variance: toward reward variance; learnability: variance x 4p(1-p); dump: UCB on mean |advantage| (arXiv 2504.09710)
-    sampler_rule: Literal["variance", "learnability", "dump"] = "variance"
-    sampler_level: Literal["domain", "family"] = "domain"  # family: adapt per family (the run record's), split by base weight
-    dump_c: float = 1.0  # DUMP's UCB exploration coefficient
-    dump_temperature: float = 0.1  # softmax temperature from UCB scores to weights
-    default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})  # the tier of a domain's tasks that carry none (a task's own tier wins)
-    sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
-    # Domains from the author's own files or modules, neither built in nor packaged: each a path to a .py file
-    # (relative to the working directory) or a module name, imported before env ids are checked; its
-    # `register()` registers the domain (docs/envs.md, "Writing a domain"). Also $JOINTRL_ENV_PLUGINS.
-    plugins: list[str] = field(default_factory=list)
-    max_turns: int = 8
-    seed: int = 0
 
 
 @dataclass
@@ -357,10 +335,6 @@ def validate(cfg: RunConfig) -> None:
     if cfg.envs.weights and sum(cfg.envs.weights.values()) <= 0:
         raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
     _validate_context(cfg)
-    from rl.trainer.ulysses import run_config_problem  # trainer.sequence_parallel_size against the run
-
-    if problem := run_config_problem(cfg):
-        raise ConfigError(problem)
     for tier, n in cfg.rollout.thinking_budgets.items():
         if tier not in ("low", "high", "max"):
             raise ConfigError(f"config key 'rollout.thinking_budgets.{tier}': unknown tier; allowed: 'low', 'high', 'max'")

@@ -1,4 +1,8 @@
-"""The run's task pools: the train and held-out tasks of every weighted domain, and the environments they run in.
+"""The `envs` section of the run config, and the run's task pools: the train and held-out tasks of every weighted
+domain, and the environments they run in.
+
+`EnvsSection` is declared here, once, with its keys' defaults (rl/config.py composes it; the domain sampler,
+rl/sampler.py, takes its defaults from it).
 
 `TaskPools.load(envs_section, prompt_views)` reads the `envs` section: each domain key of `envs.weights`
 with a weight above 0, its env id (`envs.env_ids`), its train split (RL and SFT) and held-out split
@@ -9,16 +13,37 @@ It does not sample tasks (rl/sampler.py), run episodes (rl/rollout/rollouts.py) 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from jointrl.records import Task
 from rl.errors import ConfigError
 
-if TYPE_CHECKING:
-    from rl.config import EnvsSection
-
 TIERS = ("low", "high", "max")
+
+
+@dataclass
+class EnvsSection:
+    """Environments and the joint sampler."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"terminal": 1.0})  # domain -> sampling weight
+    env_ids: dict[str, str] = field(default_factory=lambda: {"terminal": "terminal-v0", "swe": "swe-v0", "browse": "browse-v0", "cad": "cad-v0"})
+    adaptive_weights: bool = False  # move the weights after each step by `sampler_rule` (rl/sampler.py)
+    min_weight: float = 0.05  # floor for adaptive weights so no domain (or family) starves
+    # variance: toward reward variance; learnability: variance x 4p(1-p); dump: UCB on mean |advantage| (arXiv 2504.09710)
+    sampler_rule: Literal["variance", "learnability", "dump"] = "variance"
+    sampler_level: Literal["domain", "family"] = "domain"  # family: adapt per family (the run record's), split by base weight
+    dump_c: float = 1.0  # DUMP's UCB exploration coefficient
+    dump_temperature: float = 0.1  # softmax temperature from UCB scores to weights
+    default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})  # the tier of a domain's tasks that carry none (a task's own tier wins)
+    sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
+    # Domains from the author's own files or modules, neither built in nor packaged: each a path to a .py file
+    # (relative to the working directory) or a module name, imported before env ids are checked; its
+    # `register()` registers the domain (docs/envs.md, "Writing a domain"). Also $JOINTRL_ENV_PLUGINS.
+    plugins: list[str] = field(default_factory=list)
+    max_turns: int = 8
+    seed: int = 0
+
 
 
 @dataclass(frozen=True)
