@@ -21,9 +21,14 @@ from a second child process, send hostile requests to every route without pause:
 non-UTF-8 bytes, lone surrogates, 5,000-digit numbers, seed 2**64, NaN, wrong types, unknown fields,
 structure-token injection), paced to `--hostile-rate` requests/s in all (0: no pause, a flood). Printed:
 the valid requests' p50 / p99 latency, the mixed/valid-only p50 ratio (target <= 1.2x), errors on valid
-requests (target 0), and the hostile replies by status class with their rate.
+requests (target 0), the CPU seconds the server process, the valid clients and the hostile clients spent
+during the arm (a slow arm whose server CPU did not grow waited for a CPU other jobs held), and the hostile
+replies by status class with their rate. Each body is sent once first and sorted by its answer: refused (4xx)
+or served (2xx: hostile content in a valid request, which runs like any request). `--hostile-sets` adds a
+mixed arm per set (`all`, `refused`, `accepted`) to each round; `--hostile-nice 19` runs the attacker at the
+lowest CPU priority, as an attacker on another host whose CPU is not the server's.
 
-    .venv/bin/python scripts/bench_serve.py --hostile 8 --hostile-rate 20 --concurrency 16 --loops 4 --reps 3
+    .venv/bin/python scripts/bench_serve.py --hostile 8 --hostile-rate 20 --concurrency 16 --loops 4 --reps 5 --hostile-sets all,refused,accepted
 """
 from __future__ import annotations
 
@@ -112,7 +117,8 @@ async def _client_run(base: str, route: str, model: str, conc: int, loops: int, 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(conc)))
         wall = time.perf_counter() - t0
-    return {"tokens": tokens[0], "seconds": wall, "ttft": ttft, "latency": lat, "errors": errors[0], "why": sorted(set(why))[:3]}
+    return {"tokens": tokens[0], "seconds": wall, "ttft": ttft, "latency": lat, "errors": errors[0], "why": sorted(set(why))[:3],
+            "cpu_s": time.process_time()}
 
 
 # ----------------------------------------------------------------------------- hostile clients (child process)
@@ -138,12 +144,14 @@ def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
     return out
 
 
-async def _hostile_run(base: str, model: str, conc: int, stop_file: str, rate: float) -> dict:
+async def _hostile_run(base: str, model: str, conc: int, stop_file: str, rate: float, which: list[int] | None = None) -> dict:
     """`conc` clients sending hostile requests until `stop_file` exists; `rate` > 0 paces them to that many
-    requests per second in all, 0 sends without pause (a flood)."""
+    requests per second in all, 0 sends without pause (a flood). `which`: indices into `hostile_bodies` (all: None)."""
     import httpx
 
     bodies = hostile_bodies(model)
+    if which is not None:
+        bodies = [bodies[i] for i in which]
     by_class: dict[str, int] = {}
     t_start = time.perf_counter()
 
@@ -164,7 +172,7 @@ async def _hostile_run(base: str, model: str, conc: int, stop_file: str, rate: f
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=conc + 2)) as c:
         await asyncio.gather(*(worker(c, w) for w in range(conc)))
     by_class["per_s"] = round(sum(by_class.values()) / (time.perf_counter() - t_start), 1)
-    return {"by_class": by_class}
+    return {"by_class": by_class, "cpu_s": time.process_time()}
 
 
 # ----------------------------------------------------------------------------- direct engine
@@ -241,14 +249,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="rounds per concurrency, the arms' order rotated each round")
     ap.add_argument("--hostile", type=int, default=0, help="N > 0: valid-only vs valid + N hostile clients (the front door under attack)")
     ap.add_argument("--hostile-rate", type=float, default=0.0, help="hostile requests per second in all (0: no pause, a flood)")
+    ap.add_argument("--hostile-sets", default="all",
+                    help="comma list of hostile mixes, one mixed arm each per round: all (every hostile body), refused (only the ones "
+                         "the server answers 4xx), accepted (only the hostile-content requests it serves: 2xx)")
+    ap.add_argument("--hostile-nice", type=int, default=0,
+                    help="niceness of the hostile clients' process (19: an attacker whose CPU is not this machine's, as from another host)")
     ap.add_argument("--hostile-stop", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hostile-which", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.hostile < 0:
         ap.error(f"--hostile must be >= 0, got {args.hostile}")
+    sets = args.hostile_sets.split(",")
+    if any(x not in HOSTILE_SETS for x in sets):
+        ap.error(f"--hostile-sets takes a comma list of {list(HOSTILE_SETS)}, got {args.hostile_sets!r}")
     if args.hostile_stop:
-        print(json.dumps(asyncio.run(_hostile_run(args.client, args.client_model, args.hostile, args.hostile_stop, args.hostile_rate))))
+        which = None if args.hostile_which is None else [int(i) for i in args.hostile_which.split(",")]
+        print(json.dumps(asyncio.run(_hostile_run(args.client, args.client_model, args.hostile, args.hostile_stop, args.hostile_rate, which))))
         return
     if args.client:
         out = asyncio.run(_client_run(args.client, args.route, args.client_model, args.client_conc, args.client_loops,
@@ -291,7 +309,7 @@ def main() -> None:
     http("openai", 4, 1)
     http("anthropic", 4, 1)
     if args.hostile:
-        _hostile_table(args, concs, loops, http, base, name)
+        _hostile_table(args, sets, concs, loops, http, base, name)
         server.should_exit = True
         th.join(timeout=10)
         service.engine.shutdown()
@@ -332,40 +350,73 @@ def main() -> None:
     service.engine.shutdown()
 
 
-def _hostile_table(args: argparse.Namespace, concs: list[int], loops: list[int], http, base: str, name: str) -> None:
-    """Valid-only vs mixed (valid + hostile) rounds, the arms' order alternating between rounds."""
-    print(f"{'C':>4} {'arm':>10} | {'reqs':>4} | {'lat p50':>7} {'p99':>7} | {'p50/valid':>9} | valid errors | hostile replies")
+HOSTILE_SETS = ("all", "refused", "accepted")
+
+
+def _classify_hostile(base: str, name: str) -> dict[str, list[int]]:
+    """Each hostile body sent once: the indices the server refuses (4xx) and the ones it serves (2xx: valid requests
+    with hostile content, e.g. structure-token injection, which reach the engine like any other request)."""
+    import httpx
+
+    out: dict[str, list[int]] = {"all": [], "refused": [], "accepted": []}
+    with httpx.Client(base_url=base, timeout=120) as c:
+        for i, (path, body) in enumerate(hostile_bodies(name)):
+            st = c.post(path, content=body, headers={"content-type": "application/json"}).status_code
+            if st >= 500:
+                raise SystemExit(f"hostile body {i} on {path} got {st}: the server must answer every body below 500")
+            out["all"].append(i)
+            out["refused" if st >= 400 else "accepted"].append(i)
+    return out
+
+
+def _hostile_table(args: argparse.Namespace, sets: list[str], concs: list[int], loops: list[int], http, base: str, name: str) -> None:
+    """Valid-only vs mixed (valid + hostile) rounds, one mixed arm per hostile set, the arms' order rotated between
+    rounds. CPU seconds per arm: the server process (engine and HTTP), the valid clients' process, the hostile one."""
+    which = _classify_hostile(base, name)
+    print(f"hostile bodies: {len(which['all'])} ({len(which['refused'])} refused, {len(which['accepted'])} served: "
+          f"{[hostile_bodies(name)[i][0] for i in which['accepted']]}) | {os.cpu_count()} CPUs | load average {os.getloadavg()[0]:.1f}")
+    print(f"{'C':>4} {'arm':>16} | {'reqs':>4} | {'lat p50':>7} {'p99':>7} | {'p50/valid':>9} | valid errors | "
+          f"{'CPU s: server':>13} {'valid':>5} {'hostile':>7} | hostile replies")
     for conc, n_loops in zip(concs, loops):
-        ratios = []
+        ratios: dict[str, list[float]] = {x: [] for x in sets}
+        arms = ["valid"] + sets
         for rep in range(args.reps):
-            rows = {}
-            for arm in (["valid", "mixed"] if rep % 2 == 0 else ["mixed", "valid"]):
+            rows: dict[str, dict] = {}
+            for arm in arms[rep % len(arms):] + arms[: rep % len(arms)]:
+                cpu0 = sum(os.times()[:2])
                 if arm == "valid":
-                    rows[arm], hostile = http("openai", conc, n_loops), None
+                    rows[arm] = http("openai", conc, n_loops)
+                    rows[arm]["server_cpu"] = sum(os.times()[:2]) - cpu0
                     continue
                 stop = Path(tempfile.mkdtemp()) / "stop"
                 proc = subprocess.Popen([sys.executable, __file__, "--client", base, "--client-model", name, "--hostile", str(args.hostile),
-                                         "--hostile-stop", str(stop), "--hostile-rate", str(args.hostile_rate)], stdout=subprocess.PIPE, text=True)
+                                         "--hostile-stop", str(stop), "--hostile-rate", str(args.hostile_rate),
+                                         "--hostile-which", ",".join(map(str, which[arm]))], stdout=subprocess.PIPE, text=True,
+                                        preexec_fn=(lambda: os.nice(args.hostile_nice)) if args.hostile_nice else None)
                 time.sleep(1.0)  # the attack is under way before the valid clients start
+                cpu0 = sum(os.times()[:2])
                 try:
                     rows[arm] = http("openai", conc, n_loops)
                 finally:
+                    rows[arm]["server_cpu"] = sum(os.times()[:2]) - cpu0
                     stop.touch()
-                    hostile = json.loads(proc.communicate(timeout=300)[0].strip().splitlines()[-1])["by_class"]
-                rows["hostile"] = hostile
-            v, m = rows["valid"], rows["mixed"]
-            ratio = _pct(m["latency"], 0.5) / _pct(v["latency"], 0.5)
-            ratios.append(ratio)
-            for arm in ("valid", "mixed"):
+                    rows[arm]["hostile"] = json.loads(proc.communicate(timeout=300)[0].strip().splitlines()[-1])
+            v = rows["valid"]
+            for arm in arms:
                 r = rows[arm]
-                extra = f"{dict(sorted(rows['hostile'].items()))}" if arm == "mixed" else "-"
-                print(f"{conc:>4} {arm:>10} | {len(r['latency']):>4} | {_pct(r['latency'], 0.5):>6.2f}s {_pct(r['latency'], 0.99):>6.2f}s | "
-                      f"{(ratio if arm == 'mixed' else 1.0):>8.2f}x | {r['errors']:>12} | {extra}"
+                ratio = _pct(r["latency"], 0.5) / _pct(v["latency"], 0.5)
+                if arm != "valid":
+                    ratios[arm].append(ratio)
+                h = r.get("hostile")
+                label = "valid" if arm == "valid" else f"mixed:{arm}"
+                print(f"{conc:>4} {label:>16} | {len(r['latency']):>4} | {_pct(r['latency'], 0.5):>6.2f}s {_pct(r['latency'], 0.99):>6.2f}s | "
+                      f"{ratio:>8.2f}x | {r['errors']:>12} | {r['server_cpu']:>13.2f} {r['cpu_s']:>5.2f} {h['cpu_s'] if h else 0:>7.2f} | "
+                      f"{dict(sorted(h['by_class'].items())) if h else '-'}"
                       + (f"  e.g. {r['why']}" if r.get("why") else "") + (f"  (round {rep + 1})" if args.reps > 1 else ""))
         if args.reps > 1:
-            print(f"{conc:>4} {'mixed':>10} | median of {args.reps} rounds: valid p50 latency {_pct(ratios, 0.5):.2f}x valid-only "
-                  f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
-
+            for arm in sets:
+                print(f"{conc:>4} {'mixed:' + arm:>16} | median of {args.reps} rounds: valid p50 latency {_pct(ratios[arm], 0.5):.2f}x "
+                      f"valid-only (rounds: {', '.join(f'{x:.2f}' for x in ratios[arm])})")
 
 if __name__ == "__main__":
     main()

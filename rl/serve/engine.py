@@ -11,7 +11,7 @@ What it does
 - `abort(ids)` removes requests from the engine (vLLM `abort_request`, which frees their KV blocks)
   before its next step; no delta is delivered for them afterwards. It never waits for a step.
 - `ServeRequest`: a `GenerateRequest` plus `top_logprobs` (the alternatives per token come back on the
-  deltas) and vLLM structured outputs (`choice`, `json_object`) for forced tool calls.
+  deltas) and vLLM structured outputs (`choice`, `json_object`, `json_schema`) for forced tool calls.
 - `load()`: the scheduler's running / waiting request counts and KV-cache usage (for /health,
   /metrics and the disconnect test).
 
@@ -31,11 +31,13 @@ from rl.rollout.multimodal import engine_prompt
 @dataclass(frozen=True)
 class ServeRequest(GenerateRequest):
     """A `GenerateRequest` with what serving adds: alternatives per token, and vLLM structured outputs
-    (tool_choice: `choice`, the generation is exactly one of these strings; `json_object`, a JSON object)."""
+    (tool_choice: `choice`, the generation is exactly one of these strings; `json_object`, a JSON object;
+    `json_schema`, an instance of that schema: a strict tool's arguments)."""
 
     top_logprobs: int = 0
     choice: tuple[str, ...] = ()
     json_object: bool = False
+    json_schema: str | None = None  # a JSON schema (as JSON text): the generation is an instance of it
 
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob) of one position, most likely first
@@ -104,11 +106,11 @@ class StreamingEngine(RolloutEngine):
         if isinstance(r, ServeRequest):
             if r.top_logprobs:
                 sp.logprobs = r.top_logprobs
-            if r.choice or r.json_object:
+            if r.choice or r.json_object or r.json_schema:
                 from vllm.sampling_params import StructuredOutputsParams
 
                 sp.structured_outputs = StructuredOutputsParams(choice=list(r.choice)) if r.choice else \
-                    StructuredOutputsParams(json_object=True)
+                    StructuredOutputsParams(json=r.json_schema) if r.json_schema else StructuredOutputsParams(json_object=True)
         return sp
 
     def abort(self, request_ids: Sequence[str]) -> None:

@@ -141,6 +141,8 @@ def _parse_tools(raw: Any) -> tuple[Mapping[str, Any], ...] | None:
         name = t["function"].get("name")
         if not isinstance(name, str) or not name:
             raise bad(f"tools[{j}].function.name must be a non-empty string", f"tools[{j}].function.name")
+        if t["function"].get("strict") is not None and not isinstance(t["function"]["strict"], bool):
+            raise bad(f"tools[{j}].function.strict must be a boolean", f"tools[{j}].function.strict")
     names = _tool_names(raw)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -12,6 +12,11 @@ What it does
 - `read_records` / `recorded_sequence`: follow `continues` links to rebuild one append-only token
   sequence (ids, loss mask, logprobs, and the images with their spans, read back from the record
   directory and checked against their sha256) from a multi-turn conversation.
+- `recorded_episode`: the segments of one episode a client drove through the server and named in its requests'
+  `metadata.episode_id`. A client that truncates or summarises its own history sends a prompt that no longer
+  extends the earlier turns: that turn starts a new chain. Each chain is one segment (its tokens exactly what
+  the engine was given and generated), oldest first, as `rl.types.Episode.segments` holds an agent loop's
+  compacted contexts (rl/rollout/context.py).
 
 What it does not do
 - No rewards: a record becomes an `rl.types.Episode` once a scaffold supplies one.
@@ -247,3 +252,32 @@ def recorded_sequence(records: Mapping[str, ServeRecord] | Sequence[ServeRecord]
                             logprobs=tuple(lps), images=images)
 
 
+
+
+EPISODE_KEY = "episode_id"  # the request metadata key naming the episode a request belongs to
+
+
+@dataclass(frozen=True)
+class RecordedEpisode:
+    """The contexts of one served episode, oldest first; the last is the one the client sent most recently."""
+
+    episode_id: str
+    segments: tuple[RecordedSequence, ...]
+
+
+def recorded_episode(records: Sequence[ServeRecord], episode_id: str, choice: int = 0,
+                     record_dir: str | os.PathLike[str] | None = None) -> RecordedEpisode:
+    """Every segment of the episode whose requests carried `metadata.episode_id == episode_id`.
+
+    `records` in file order (`read_records`), which is the order requests finished. A segment is a chain of
+    `continues` links (`recorded_sequence`) ending at a record of the episode that no later record continues; the
+    segments are ordered by their last record. A turn the client sent twice (a retry) leaves the abandoned reply as
+    a segment of its own: its tokens are still exactly what the engine saw and generated."""
+    by_id = {r.id: r for r in records}
+    mine = [r for r in records if isinstance(r.request.get("metadata"), Mapping) and r.request["metadata"].get(EPISODE_KEY) == episode_id]
+    if not mine:
+        raise KeyError(f"no record names metadata.{EPISODE_KEY} {episode_id!r}")
+    continued = {(r.continues[0], r.continues[1]) for r in mine if r.continues is not None}
+    ends = [r for r in mine if (r.id, choice) not in continued]
+    return RecordedEpisode(episode_id=episode_id,
+                           segments=tuple(recorded_sequence(by_id, r.id, choice, record_dir) for r in ends))

@@ -218,6 +218,10 @@ def _tools(raw: Any) -> tuple[tuple[Mapping[str, Any], ...] | None, tuple[Mappin
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         fn["parameters"] = dict(params) if params is not None else {"type": "object", "properties": {}}
+        if t.get("strict") is not None:
+            if not isinstance(t["strict"], bool):
+                raise bad(f"tools[{j}].strict must be a boolean", f"tools[{j}].strict")
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
     names = [t["function"]["name"] for t in out]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -12,7 +12,8 @@ What it does
   iterator early (the client went away) aborts the engine requests at once. Finished replies are
   recorded (`rl.serve.records`) and remembered for token reuse; aborted ones are not.
 - tool_choice required / named: the call is written under vLLM's structured outputs (the name a choice
-  over the request's tools, the arguments a JSON object), the server closing it; replies name only the
+  over the request's tools, the arguments a JSON object, an instance of the tool's schema when it is `strict`),
+  the server closing it; replies name only the
   request's tools (`finish_choice` drops others).
 - Every message and tool schema is defused (`ServeCodec.defuse_message` / `defuse_tool`) before rendering,
   whichever route it came from; a request without a budget keeps half its reply for the answer.
@@ -468,14 +469,27 @@ class ChatService:
         end_ids = set(codec.stop_token_ids) | {getattr(self.tokenizer, "eos_token_id", None)}
         if name is None:  # the model picks one of the request's tools, and only one of them
             choices = tuple(json.dumps(n, ensure_ascii=False)[1:] + ', "arguments": ' for n in names)
+            start = len(st.ids)
             finish, version, stop = await self._phase(generate(prep.max_tokens - len(st.ids), codec.stop_token_ids, None, 1, choice=choices),
                                                       st, prep, False, out, t0, first)
             if finish != "stop":
                 return self._completion(st, finish, version, stop)
             if st.ids[-1] in end_ids:
                 st.drop_last()
-        finish, version, stop = await self._phase(generate(prep.max_tokens - len(st.ids), codec.stop_token_ids, None, 2, json_object=True),
-                                                  st, prep, True, out, t0, first)
+            picked = self.tokenizer.decode(st.ids[start:], skip_special_tokens=False)
+            name = next((n for n, c in zip(names, choices) if picked == c), None)
+        schema = _strict_schema(req.tools or (), name)
+        n0 = len(st.ids)
+        try:
+            finish, version, stop = await self._phase(generate(prep.max_tokens - n0, codec.stop_token_ids, None, 2, json_object=schema is None,
+                                                               json_schema=schema), st, prep, True, out, t0, first)
+        except Exception as e:  # noqa: BLE001 - a strict schema the grammar backend cannot compile: any JSON object instead
+            if schema is None or isinstance(e, ApiError) or len(st.ids) != n0:
+                raise
+            log.info("request %s: tool %r's strict schema is not usable as a grammar (%s); its arguments are any JSON object",
+                     prep.id, name, str(e)[:200])
+            finish, version, stop = await self._phase(generate(prep.max_tokens - n0, codec.stop_token_ids, None, 2, json_object=True),
+                                                      st, prep, True, out, t0, first)
         if finish == "stop" and stop is None:
             if st.ids and st.ids[-1] in end_ids:
                 st.drop_last()  # the grammar's end of text: the server closes the call and the turn
@@ -613,6 +627,15 @@ def _merge(events: list[Any]) -> list[Any]:
         else:
             out.append(ev)
     return out
+
+
+def _strict_schema(tools: Sequence[Any], name: str | None) -> str | None:
+    """The arguments schema (JSON text) of the tool `name` when it is declared `strict` (OpenAI's promise: the
+    arguments are an instance of its parameters schema), else None (any JSON object)."""
+    fn = next((t["function"] for t in tools if t["function"]["name"] == name), None)
+    if fn is None or fn.get("strict") is not True or not isinstance(fn.get("parameters"), dict):
+        return None
+    return json.dumps(fn["parameters"], ensure_ascii=False)
 
 
 def _retrieve(t: asyncio.Task) -> None:

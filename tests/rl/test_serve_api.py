@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Literal  # module level: the Agents SDK resolves a tool's (string) annotations here
 
 import anthropic
 import httpx
@@ -646,3 +647,135 @@ def test_litellm_and_langchain_speak_to_both_routes(apps, monkeypatch):
     out = langchain_openai.ChatOpenAI(model=NAME, base_url=f"{base}/v1", api_key="unused", max_tokens=120, reasoning_effort="low",
                                       max_retries=0).bind_tools([TWO_TOOLS[0]], tool_choice="required").invoke("Check the CPU.")
     assert bound is not None and all(c["name"] == "get_cpu_usage" for c in out.tool_calls)
+
+
+
+
+def test_openai_agents_sdk_runs_a_tool_loop_on_its_default_model(apps):
+    """The OpenAI Agents SDK on its default model (the Responses API): a strict function tool called twice under
+    Reasoning(effort="medium") (tier high), the first result sent back in the second turn; then an agent that sends
+    no budget gets its call, not a reply spent on thinking. Runs end on a tool call: random weights never end a text
+    reply before max_output_tokens, and the SDK raises on an incomplete response."""
+    from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, ToolsToFinalOutputResult, function_tool
+    from agents.exceptions import AgentsException
+    from agents.models.openai_responses import OpenAIResponsesModel
+    from openai.types.shared import Reasoning
+
+    app = apps["open"]
+    client = openai.AsyncOpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    provider = OpenAIProvider(openai_client=client)  # the SDK's default provider, on this server
+    assert isinstance(provider.get_model(NAME), OpenAIResponsesModel)
+    config = RunConfig(model_provider=provider, tracing_disabled=True)
+    readings: list[str] = []
+
+    @function_tool  # strict (the SDK's default): the arguments are generated under its schema, an enum here
+    def get_cpu_usage(window: Literal["1h", "24h"]) -> str:
+        """Read CPU utilisation from the monitoring API over a time window."""
+        readings.append(window)
+        return f"Average CPU utilization over {window} reached 85%"
+
+    def after_two_readings(ctx, results) -> ToolsToFinalOutputResult:
+        return ToolsToFinalOutputResult(is_final_output=len(readings) >= 2, final_output=results[-1].output)
+
+    budgets = app.service.settings.thinking_budgets
+    result = None
+    for seed in range(4):  # random weights may fill the reply with whitespace inside the arguments: another seed then
+        readings.clear()
+        agent = Agent(name="sre", instructions="You are an SRE.", tools=[get_cpu_usage], model=NAME, reset_tool_choice=False,
+                      tool_use_behavior=after_two_readings,
+                      model_settings=ModelSettings(tool_choice="required", reasoning=Reasoning(effort="medium"), max_tokens=600,
+                                                   extra_body={"seed": seed}))
+        try:
+            result = Runner.run_sync(agent, "Check the CPU twice.", run_config=config, max_turns=3)
+            break
+        except AgentsException:  # an incomplete response: the arguments ran to max_tokens
+            result = None
+    assert result is not None, "every seed ran a call's arguments to max_tokens"
+    assert len(readings) == 2 and set(readings) <= {"1h", "24h"} and result.final_output.endswith("reached 85%")
+    recs = [_record(apps, r.response_id) for r in result.raw_responses]
+    assert len(recs) == 2
+    for rec in recs:
+        assert rec.request["protocol"] == "responses" and rec.request["thinking_tier"] == "high"  # medium -> high
+        ids = list(rec.choices[0].completion_token_ids)
+        assert ids.index(chat.THINK_END_ID) <= budgets["high"] and rec.choices[0].finish_reason == "tool_calls"
+    prompt = app.service.tokenizer.decode(list(recs[1].prompt_token_ids), skip_special_tokens=False)
+    assert f"Average CPU utilization over {readings[0]} reached 85%" in prompt  # the first result reached the model
+
+    # no budget sent: the default tier keeps half the reply for the answer (here the call)
+    @function_tool
+    def report() -> str:
+        """Hand in the report."""
+        return "REPORTED"
+
+    result = None
+    for seed in range(4):
+        plain = Agent(name="sre", instructions="You are an SRE.", tools=[report], model=NAME, tool_use_behavior="stop_on_first_tool",
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=160, extra_body={"seed": seed}))
+        try:
+            result = Runner.run_sync(plain, "Think long about the CPU, then report.", run_config=config, max_turns=1)
+            break
+        except AgentsException:
+            result = None
+    assert result is not None and result.final_output == "REPORTED"
+    rec = _record(apps, result.raw_responses[0].response_id)
+    ids = list(rec.choices[0].completion_token_ids)
+    assert rec.request["thinking_tier"] == app.service.settings.default_tier and budgets[rec.request["thinking_tier"]] > 80
+    assert ids.index(chat.THINK_END_ID) <= 80, "thinking took more than half the reply"
+
+
+def test_a_client_truncated_conversation_records_exact_segments(apps):
+    """A long-horizon client (the `openai` client) that drops its history's middle turns keeping the task: the
+    served episode (named by metadata.episode_id) records one segment per context, each exactly the tokens the
+    engine was given and generated, as the agent loop's Episode.segments holds its compacted contexts."""
+    from rl.serve import recorded_episode
+
+    app = apps["open"]
+    client = openai.OpenAI(base_url=f"{app.base}/v1", api_key="unused", max_retries=0, timeout=120)
+    tool = {"type": "function", "function": {"name": "read_log", "strict": True, "description": "Read one log file.", "parameters": {
+        "type": "object", "properties": {"file": {"type": "string", "enum": ["a.log", "b.log"]}}, "required": ["file"],
+        "additionalProperties": False}}}
+    episode = f"ep-{time.monotonic_ns()}"
+    head = [{"role": "system", "content": "You are an SRE."}, {"role": "user", "content": "Read every log and sum the errors."}]
+
+    def turn(messages: list, seed: int):
+        r = client.chat.completions.create(model=NAME, messages=messages, tools=[tool], tool_choice="required", reasoning_effort="low",
+                                           max_tokens=300, seed=seed, metadata={"episode_id": episode})
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        back = {"role": "assistant", "content": m.content, "reasoning_content": getattr(m, "reasoning_content", None),
+                "tool_calls": [t.model_dump() for t in m.tool_calls]}
+        return r, back, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "3 errors"}
+
+    history = list(head)
+    ids = []
+    for k in range(2):  # first context: two turns, the second extending the first
+        r, back, result = turn(history, k)
+        ids.append(r.id)
+        history += [back, result]
+    r, back, result = turn(head + [{"role": "user", "content": "Summary so far: 6 errors in 2 logs."}], 5)  # the client truncated
+    ids.append(r.id)
+    r, _, _ = turn(head + [{"role": "user", "content": "Summary so far: 6 errors in 2 logs."}, back, result], 6)
+    ids.append(r.id)
+    other = client.chat.completions.create(model=NAME, messages=head, max_tokens=4, metadata={"episode_id": episode + "-other"})
+    recs = read_records(apps["records"])
+    by_id = {x.id: x for x in recs}
+    # The chains the records' own links make: a turn extends the previous one when the reply rendered back to the text
+    # the engine generated (a trained model's thinking does; random weights' thinking lacks the format's newlines, so
+    # here most turns start a chain of their own); the truncated turn extends nothing, whatever the weights.
+    assert by_id[ids[2]].continues is None
+    chains: list[list[str]] = []
+    for rid in ids:
+        cont = by_id[rid].continues
+        if cont is not None and chains and chains[-1][-1] == cont[0]:
+            chains[-1].append(rid)
+        else:
+            chains.append([rid])
+    ep = recorded_episode(recs, episode)
+    assert [list(s.record_ids) for s in ep.segments] == chains and other.id not in {i for s in ep.segments for i in s.record_ids}
+    assert any(ids[2] == seg.record_ids[0] for seg in ep.segments)  # the truncation opened a segment
+    for seg in ep.segments:  # each segment: the engine's own prompt and sampled ids, no re-render
+        rec = by_id[seg.record_ids[-1]]
+        n = len(rec.choices[0].completion_token_ids)
+        assert seg.token_ids == rec.prompt_token_ids + rec.choices[0].completion_token_ids
+        assert seg.loss_mask[-n:] == rec.choices[0].loss_mask
+        assert [lp for lp, k in zip(seg.logprobs[-n:], seg.loss_mask[-n:]) if k] == [lp for lp in rec.choices[0].logprobs if lp is not None]

@@ -327,6 +327,29 @@ def test_records_round_trip_and_chain(tmp_path, tok):
         recorded_sequence([r2], "b")
 
 
+def test_recorded_episode_keeps_each_context_the_client_kept_as_a_segment():
+    """A client that truncates its history starts a new chain (its prompt extends no earlier turn): each chain of
+    the episode is a segment with exactly its own tokens; other episodes' records stay out."""
+    from rl.serve import RecordedChoice, recorded_episode
+
+    def mk(rid, ep, prompt, reused, cont, comp_ids):
+        return ServeRecord(id=rid, created=1.0, model="m", policy_version=0, request={"messages": [], "metadata": {"episode_id": ep}},
+                           prompt_token_ids=tuple(prompt), prompt_reused_tokens=reused, continues=cont,
+                           choices=(RecordedChoice(0, tuple(comp_ids), (-0.5,) * len(comp_ids), (1,) * len(comp_ids), "stop", "t", {}),))
+    recs = [mk("a", "E", [1, 2], 0, None, [3, 4]),
+            mk("x", "F", [1, 2], 0, None, [9]),  # another episode, same task
+            mk("b", "E", [1, 2, 3, 4, 5], 4, ("a", 0), [6]),
+            mk("c", "E", [1, 2, 7], 0, None, [8]),  # the client kept the task and a summary: a new context
+            mk("d", "E", [1, 2, 7, 8, 5], 4, ("c", 0), [6, 4])]
+    ep = recorded_episode(recs, "E")
+    assert [s.record_ids for s in ep.segments] == [("a", "b"), ("c", "d")]
+    assert ep.segments[0].token_ids == (1, 2, 3, 4, 5, 6) and ep.segments[0].loss_mask == (0, 0, 1, 1, 0, 1)
+    assert ep.segments[1].token_ids == (1, 2, 7, 8, 5, 6, 4) and ep.segments[1].loss_mask == (0, 0, 0, 1, 0, 1, 1)
+    assert [s.record_ids for s in recorded_episode(recs, "F").segments] == [("x",)]
+    with pytest.raises(KeyError):
+        recorded_episode(recs, "G")
+
+
 # ----------------------------------------------------------------------------- stream coalescing and abort
 class _FakeStreamEngine:
     """A stand-in for StreamingEngine's open_streams / abort surface, delivering from another thread like its stepper.
