@@ -21,7 +21,6 @@ What this module does not do: the state and queues (rl/tinker/service.py), the p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import os
 import sys
@@ -299,10 +298,7 @@ def create_app(service: TinkerService, api_key: str | None = None):
         f = service.futures.get(b.request_id)
         if f is None:
             raise TinkerError(404, f"unknown request_id {b.request_id!r}")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limits.long_poll_s
-        while not f.done.is_set() and loop.time() < deadline:  # long poll without holding a thread
-            await asyncio.sleep(0.005)
+        await f.wait(limits.long_poll_s)  # a long poll that holds no thread
         if not f.done.is_set():
             return {"type": "try_again", "request_id": f.request_id, "queue_state": "active"}
         if f.error is not None:

@@ -72,6 +72,36 @@ class Future:
     result: Any = None
     error: tuple[str, str] | None = None  # (message, category)
     finished_at: float = 0.0
+    _wakers: list[Callable[[], None]] = field(default_factory=list)  # long polls waiting on this result
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def set_done(self) -> None:
+        with self._lock:
+            self.done.set()
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    async def wait(self, timeout: float) -> None:
+        """Wait (in the event loop, holding no thread) until the result is in or `timeout` seconds pass."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:  # called from the worker thread that finished the job
+            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+        with self._lock:
+            if self.done.is_set():
+                return
+            self._wakers.append(wake)
+        try:
+            await asyncio.wait_for(woken, timeout)
+        except asyncio.TimeoutError:
+            with self._lock:
+                if wake in self._wakers:
+                    self._wakers.remove(wake)
 
 
 @dataclass
@@ -157,7 +187,7 @@ class TinkerService:
             log.exception("tinker request %s failed", f.request_id)
             f.error = (f"{type(e).__name__}: {e}", "server")
         f.finished_at = time.monotonic()
-        f.done.set()
+        f.set_done()
 
     def session(self, session_id: str) -> None:
         if session_id not in self.sessions:
@@ -452,14 +482,6 @@ class TinkerService:
                 self._sample_slots.release()
 
         self._sample_pool.submit(job)
-        return f
-
-    # ------------------------------------------------------------------ futures
-    def retrieve(self, request_id: str) -> Future:
-        f = self.futures.get(request_id)
-        if f is None:
-            raise TinkerError(404, f"unknown request_id {request_id!r}")
-        f.done.wait(self.limits.long_poll_s)
         return f
 
     def shutdown(self) -> None:

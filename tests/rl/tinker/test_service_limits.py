@@ -27,8 +27,8 @@ def _service(ckpt, tmp_path, **limits) -> TinkerService:
 def test_a_model_that_cannot_fit_is_a_failed_future_naming_the_memory(ckpt, tmp_path):
     svc = _service(ckpt, tmp_path, memory_headroom=1e9)
     sid = svc.create_session()
-    f = svc.retrieve(svc.create_model(sid, 0, "tiny-moe", LORA).request_id)
-    assert f.done.is_set() and f.error[1] == "user" and "cannot fit another training client" in f.error[0]
+    f = svc.create_model(sid, 0, "tiny-moe", LORA)
+    assert f.done.wait(30) and f.error[1] == "user" and "cannot fit another training client" in f.error[0]
     assert svc.models == {}  # refused: nothing held
 
 
