@@ -6,7 +6,8 @@ For each length L (one episode of L random tokens, the loss on its last half) an
 subprocess builds the trainer, then runs one step: the `PolicyTrainer` update (ZeRO-1, fp32, AdamW) for the
 jointrl settings, and for the floor a bare transformers fwd + bwd + AdamW step with gradient checkpointing and
 the logprobs in 1,024-token tiles. Reported: the step's peak resident memory above the process once the
-model is loaded (Linux VmHWM, reset with /proc/self/clear_refs after loading) and tokens/s (L / step time).
+model is loaded (Linux VmHWM, reset with /proc/self/clear_refs after loading), tokens/s (L / step time) and the
+step's CPU seconds (process time, all threads: on a shared machine it varies far less than the wall time).
 
 Settings: `today` (full logits, no checkpointing: the trainer before these knobs), `tiles`
 (`trainer.logprob_tile_tokens=1024`), `checkpointing` (`trainer.activation_checkpointing=on`), `default`
@@ -14,9 +15,10 @@ Settings: `today` (full logits, no checkpointing: the trainer before these knobs
 with one episode the budget changes nothing, it shows it costs nothing), `bare` (the floor).
 
 A case whose resident memory passes --max-rss-gb is killed (the machine is shared) and reported as such; one
-that passes --timeout likewise. The last line is `longest trainable: N tokens`: the longest length at which
-some jointrl setting completed. TRL's GRPOTrainer is not run here (scripts/bench_trl.py compares it at short
-lengths). Threads: --threads (default 2).
+that passes --timeout, or that leaves the machine less than --min-free-gb available (default 3), likewise.
+The last line is `longest trainable: N tokens`: the longest length at which some jointrl setting completed.
+TRL's GRPOTrainer is not run here (scripts/bench_trl.py compares it at short lengths). Threads: --threads
+(default 2).
 
     .venv/bin/python scripts/bench_long.py --dsa --lengths 4096,16384,32768
 
@@ -90,10 +92,11 @@ def _case_jointrl(model: str, L: int, setting: str) -> dict:
     batch = _episode_batch(L, int(tr.module.config.vocab_size))
     base_kb = _status_kb("VmRSS")
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     m = tr.train_step(batch)
     dt = time.perf_counter() - t0
     return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "tokens_per_s": L / dt, "step_s": dt,
+            "cpu_s": time.process_time() - c0,
             "loaded_gb": base_kb / 2**20, "loss": m.get("loss/total")}
 
 
@@ -111,7 +114,7 @@ def _case_bare(model: str, L: int) -> dict:
     ids, mask = batch.input_ids_BT, batch.loss_mask_BT
     base_kb = _status_kb("VmRSS")
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     W = L - L // 2 + 1
     with head_inputs(m) as (head, seen):
         m(input_ids=ids, logits_to_keep=W)
@@ -122,6 +125,7 @@ def _case_bare(model: str, L: int) -> dict:
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
     return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "tokens_per_s": L / dt, "step_s": dt,
+            "cpu_s": time.process_time() - c0,
             "loaded_gb": base_kb / 2**20, "loss": float(loss)}
 
 
@@ -141,19 +145,30 @@ def _case_dsa(L: int, setting: str) -> dict:
     cos, sin = RotaryEmbedding(cfg.rotary_dim, cfg.rope_parameters["rope_theta"])(torch.arange(L)[None], torch.float32)
     base_kb = _status_kb("VmRSS")
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out, idx_loss = layer(x, cos, sin, compute_indexer_loss=True)
     (out.square().mean() + idx_loss).backward()
     dt = time.perf_counter() - t0
     return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "tokens_per_s": L / dt, "step_s": dt,
+            "cpu_s": time.process_time() - c0,
             "loaded_gb": base_kb / 2**20, "loss": float(idx_loss)}
 
 
 DSA_SETTINGS = ("sparse", "dense", "sparse-oneshot", "dense-oneshot")
 
 
-def run_case(model: str, L: int, setting: str, threads: int, timeout: float, max_rss_gb: float) -> dict:
-    """One case in a fresh subprocess, killed past `max_rss_gb` resident or `timeout` seconds."""
+def _available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def run_case(model: str, L: int, setting: str, threads: int, timeout: float, max_rss_gb: float,
+             min_free_gb: float = 0.0) -> dict:
+    """One case in a fresh subprocess, killed past `max_rss_gb` resident or `timeout` seconds, or when the
+    machine's available memory falls under `min_free_gb` (other jobs share it)."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, __file__, "--case", setting, "--length", str(L), "--model", model,
                "--threads", str(threads), "--out", out.name]
@@ -167,6 +182,8 @@ def run_case(model: str, L: int, setting: str, threads: int, timeout: float, max
             peak = max(peak, rss)
             if rss > max_rss_gb:
                 why = f"over {max_rss_gb:g} GB"
+            elif _available_gb() < min_free_gb:
+                why = f"machine's available memory under {min_free_gb:g} GB"
             elif time.time() - t0 > timeout:
                 why = f"over {timeout:g} s"
             if why:
@@ -190,6 +207,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     ap.add_argument("--max-rss-gb", type=float, default=16.0, help="kill a case whose resident memory passes this")
+    ap.add_argument("--min-free-gb", type=float, default=3.0,
+                    help="kill a case when the machine's available memory falls under this (it is shared)")
     ap.add_argument("--dsa", action="store_true", help="one Gated DSA layer instead of the whole trainer step")
     ap.add_argument("--oneshot-upto", type=int, default=4096, help="--dsa: run the block-free layer up to this length")
     ap.add_argument("--case", help=argparse.SUPPRESS)
@@ -218,7 +237,7 @@ def main() -> None:
         raise SystemExit(f"--settings: unknown {unknown}; allowed: {', '.join(SETTINGS)}")
     print(f"model {a.model}, {a.threads} threads, one episode of L tokens, loss on the last half; "
           "peak = resident memory above the loaded model")
-    print(f"{'length':>7} {'setting':<14} {'peak GB':>8} {'tokens/s':>9} {'step s':>8}  status")
+    print(f"{'length':>7} {'setting':<14} {'peak GB':>8} {'tokens/s':>9} {'step s':>8} {'cpu s':>8}  status")
     longest = 0
     if a.dsa:
         print("one Gated DSA layer (tiny HybridMoe), forward + backward with its indexer loss")
@@ -226,14 +245,15 @@ def main() -> None:
         for s in settings:
             if s.endswith("oneshot") and L > a.oneshot_upto:
                 continue
-            r = run_case(a.model, L, s, a.threads, a.timeout, a.max_rss_gb)
+            r = run_case(a.model, L, s, a.threads, a.timeout, a.max_rss_gb, a.min_free_gb)
             ok = r["status"] == "ok"
             if ok and s in SETTINGS and s != "bare":
                 longest = max(longest, L)
             peak = f"{r['peak_gb']:8.2f}" if ok else f"{'>' + format(r['rss_gb'], '.1f'):>8}"
             tps = f"{r['tokens_per_s']:9.1f}" if ok else f"{'-':>9}"
             step = f"{r['step_s']:8.1f}" if ok else f"{'-':>8}"
-            print(f"{L:>7} {s:<14} {peak} {tps} {step}  {r['status']}", flush=True)
+            cpu = f"{r['cpu_s']:8.1f}" if ok else f"{'-':>8}"
+            print(f"{L:>7} {s:<14} {peak} {tps} {step} {cpu}  {r['status']}", flush=True)
     if not a.dsa:
         print(f"longest trainable: {longest} tokens")
 
