@@ -61,6 +61,9 @@ class TinkerLimits:
     max_snapshots: int = 8  # sampler snapshots kept per model (oldest dropped)
     memory_headroom: float = 1.5  # a new model must fit this many times its estimated size in available memory
     long_poll_s: float = 20.0  # retrieve_future waits this long for a pending result before try_again
+    session_timeout_s: float = 600.0  # a session without a heartbeat this long is finished (the SDK beats every 10 s)
+    max_sessions: int = 1024
+    max_samplers_per_session: int = 64  # sampling sessions kept per session (oldest dropped: they hold snapshots)
 
 
 @dataclass
@@ -169,11 +172,19 @@ class TinkerService:
         return f
 
     def _expire(self) -> None:
-        """Forget results nobody fetched for 10 minutes (bounds memory under clients that never retrieve)."""
+        """Forget results nobody fetched for 10 minutes (bounds memory under clients that never retrieve), and
+        finish sessions whose client stopped beating (a crashed client's models are freed)."""
         now = time.monotonic()
         with self._lock:
             for rid in [r for r, f in self.futures.items() if f.done.is_set() and now - f.finished_at > 600]:
                 del self.futures[rid]
+            stale = [s for s, t in self.sessions.items() if now - t > self.limits.session_timeout_s]
+        for sid in stale:
+            log.info("session %s sent no heartbeat for %.0f s: finished", sid, self.limits.session_timeout_s)
+            try:
+                self.finish_session(sid)
+            except TinkerError:  # finished meanwhile
+                pass
 
     @staticmethod
     def _finish(f: Future, fn: Callable[[], Any]) -> None:
@@ -217,8 +228,11 @@ class TinkerService:
 
     # ------------------------------------------------------------------ sessions
     def create_session(self) -> str:
+        self._expire()
         sid = self._token("session-")
         with self._lock:
+            if len(self.sessions) >= self.limits.max_sessions:
+                raise TinkerError(429, f"{self.limits.max_sessions} sessions are open; close one (ServiceClient.close) or retry later")
             self.sessions[sid] = time.monotonic()
         return sid
 
@@ -440,6 +454,9 @@ class TinkerService:
     def _new_sampler(self, session_id: str, base_model: str, path: str | None, buckets: list | None) -> SamplingSession:
         s = SamplingSession(self._token("sampler-"), session_id, base_model, path, path or "base", buckets)
         with self._lock:
+            mine = [k for k, v in self.samplers.items() if v.session_id == session_id]  # dicts keep insertion order
+            for k in mine[: max(0, len(mine) + 1 - self.limits.max_samplers_per_session)]:
+                del self.samplers[k]
             self.samplers[s.sampling_session_id] = s
         return s
 

@@ -87,3 +87,22 @@ def test_datum_checks(ckpt, tmp_path):
         with pytest.raises(TinkerError, match=match) as e:
             svc.check_data(data, ("target_tokens", "weights"), ())
         assert e.value.status == 400
+
+
+def test_sessions_without_heartbeats_are_finished_and_sessions_are_bounded(ckpt, tmp_path):
+    import time
+
+    svc = _service(ckpt, tmp_path, session_timeout_s=0.2, max_sessions=2, max_samplers_per_session=2)
+    a = svc.create_session()
+    samplers = [svc.create_sampling_session(a, None, "tiny-moe") for _ in range(3)]
+    assert [s for s in samplers if s in svc.samplers] == samplers[1:]  # the oldest dropped
+    svc.create_session()
+    with pytest.raises(TinkerError) as e:
+        svc.create_session()
+    assert e.value.status == 429
+    time.sleep(0.3)
+    svc.create_session()  # the two silent sessions are finished first
+    assert a not in svc.sessions and not any(v.session_id == a for v in svc.samplers.values())
+    with pytest.raises(TinkerError) as e:
+        svc.heartbeat(a)
+    assert e.value.status == 404
