@@ -136,6 +136,12 @@ def metrics_of(record: Any) -> dict[str, float]:
     return out
 
 
+def metric_names(record: type, reduce: Reduce) -> frozenset[str]:
+    """The metric names of `record`'s fields that ranks combine by `reduce` (e.g. the summed counts that a rank
+    sharing another's rows must not count again)."""
+    return frozenset(f.metadata["metric"] for f in fields(record) if f.metadata.get("reduce") is reduce and f.metadata.get("metric"))
+
+
 @dataclass(frozen=True)
 class RolloutStats:
     """One step's rollout statistics: the per-domain episode metrics (rl/observe/telemetry.py, partial

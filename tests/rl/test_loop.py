@@ -206,3 +206,17 @@ def test_a_resumed_run_replays_what_the_uninterrupted_run_did():
     assert tasks(resumed) == tasks(whole)  # the same tasks at the same steps
     assert end.step == 6 and end.policy_version == whole.checkpoints.saved[-1][0].policy_version
     assert Counter(t for b in resumed.policy.submitted for t in b) == Counter(t for b in whole.policy.submitted[-2:] for t in b)
+
+
+def test_trainer_fields_declare_their_rank_reduction():
+    """Every TrainResult / SftStepResult statistic says how ranks combine it (rl/trainer/group.py reads it)."""
+    import dataclasses
+
+    from rl.types import Reduce, SftStepResult, metric_names
+
+    for record in (TrainResult, SftStepResult):
+        for f in dataclasses.fields(record):
+            if f.metadata.get("metric") and f.name != "world_size":
+                assert isinstance(f.metadata.get("reduce"), Reduce), f"{record.__name__}.{f.name}"
+    assert {"train/seqs", "train/tokens"} <= metric_names(TrainResult, Reduce.SUM)
+    assert "train/busy_s" in metric_names(TrainResult, Reduce.MAX) and "sft/nll" in metric_names(SftStepResult, Reduce.SEQ_MEAN)
