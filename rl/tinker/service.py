@@ -113,7 +113,8 @@ class Model:
     session_id: str
     base_model: str
     lora: LoraRequest
-    work: "queue.Queue[Callable[[], None] | None]"
+    work: "queue.Queue[tuple[Future, Callable[[], Any]] | None]"
+    closed: bool = False  # its session finished: queued requests fail instead of running
     model: TrainingModel | None = None
     snapshots: "OrderedDict[str, list]" = field(default_factory=OrderedDict)  # tinker path -> buckets
     thread: threading.Thread | None = None
@@ -212,19 +213,33 @@ class TinkerService:
 
     def _enqueue(self, m: Model, f: Future, fn: Callable[[], Any]) -> None:
         try:
-            m.work.put_nowait(lambda: self._finish(f, fn))
+            m.work.put_nowait((f, fn))
         except queue.Full:
             with self._lock:
                 self.futures.pop(f.request_id, None)
             raise TinkerError(429, f"model {m.model_id}: {self.limits.queue_depth} requests already queued; retry later") from None
 
-    @staticmethod
-    def _worker(m: Model) -> None:
+    def _worker(self, m: Model) -> None:
         while True:
             job = m.work.get()
             if job is None:
-                return
-            job()
+                if m.closed:
+                    m.model = None  # the trainer's memory goes with the last reference
+                    return
+                continue
+            f, fn = job
+            if m.closed:
+                f.error = (f"model {m.model_id} was unloaded: its session finished", "user")
+                f.finished_at = time.monotonic()
+                f.set_done()
+                continue
+            self._finish(f, fn)
+
+    @staticmethod
+    def _close(m: Model) -> None:
+        """Stop model `m`: what is queued fails, then its worker ends (never blocks the caller on a full queue)."""
+        m.closed = True
+        threading.Thread(target=m.work.put, args=(None,), daemon=True).start()
 
     # ------------------------------------------------------------------ sessions
     def create_session(self) -> str:
@@ -251,7 +266,7 @@ class TinkerService:
                 del self.samplers[sid]
             del self.sessions[session_id]
         for m in gone:
-            m.work.put(None)
+            self._close(m)
 
     # ------------------------------------------------------------------ training models
     def _estimate_bytes(self, lora: LoraRequest) -> int:
@@ -288,7 +303,7 @@ class TinkerService:
             if need > avail:
                 with self._lock:
                     self.models.pop(model_id, None)
-                m.work.put(None)
+                self._close(m)
                 raise UserFailure(f"cannot fit another training client: it needs about {need / 2**30:.2f} GiB and "
                                   f"{avail / 2**30:.2f} GiB is available")
             key = (lora.train_attn, lora.train_mlp)
@@ -503,7 +518,7 @@ class TinkerService:
 
     def shutdown(self) -> None:
         for m in list(self.models.values()):
-            m.work.put(None)
+            self._close(m)
         self._sample_pool.shutdown(wait=False, cancel_futures=True)
         if self._sampler is not None:
             self._sampler.shutdown()

@@ -106,3 +106,33 @@ def test_sessions_without_heartbeats_are_finished_and_sessions_are_bounded(ckpt,
     with pytest.raises(TinkerError) as e:
         svc.heartbeat(a)
     assert e.value.status == 404
+
+
+def test_finishing_a_session_fails_its_queued_requests_and_never_blocks(ckpt, tmp_path):
+    """A finished session's model: the running request completes, the queued ones fail (no client waits forever),
+    and finishing returns at once even with the model's queue full."""
+    import queue
+    import threading
+
+    from rl.tinker.service import Model
+
+    svc = _service(ckpt, tmp_path, queue_depth=2)
+    sid = svc.create_session()
+    m = Model(f"{sid}:train:0", sid, "tiny-moe", LORA, queue.Queue(2))
+    svc.models[m.model_id] = m
+    threading.Thread(target=svc._worker, args=(m,), daemon=True).start()
+    gate, started = threading.Event(), threading.Event()
+    running = svc._future(sid)
+    svc._enqueue(m, running, lambda: started.set() or (gate.wait(30) and "ran"))
+    assert started.wait(30)  # the worker holds it: the queue is empty again
+    queued = [svc._future(sid) for _ in range(2)]
+    for f in queued:
+        svc._enqueue(m, f, lambda: "should not run")
+    with pytest.raises(TinkerError) as e:  # the queue is full: 429, and the refused future is forgotten
+        svc._enqueue(m, svc._future(sid), lambda: None)
+    assert e.value.status == 429
+    svc.finish_session(sid)  # returns with the queue still full
+    gate.set()
+    assert running.done.wait(30) and running.result == "ran"
+    for f in queued:
+        assert f.done.wait(30) and f.error == (f"model {m.model_id} was unloaded: its session finished", "user")
