@@ -379,6 +379,7 @@ def _hostile_table(args: argparse.Namespace, sets: list[str], concs: list[int], 
           f"{'CPU s: server':>13} {'valid':>5} {'hostile':>7} | hostile replies")
     for conc, n_loops in zip(concs, loops):
         ratios: dict[str, list[float]] = {x: [] for x in sets}
+        cpu_ratios: dict[str, list[float]] = {x: [] for x in sets}  # server CPU per arm vs valid-only: the work, not the wait
         arms = ["valid"] + sets
         for rep in range(args.reps):
             rows: dict[str, dict] = {}
@@ -407,6 +408,7 @@ def _hostile_table(args: argparse.Namespace, sets: list[str], concs: list[int], 
                 ratio = _pct(r["latency"], 0.5) / _pct(v["latency"], 0.5)
                 if arm != "valid":
                     ratios[arm].append(ratio)
+                    cpu_ratios[arm].append(r["server_cpu"] / max(v["server_cpu"], 1e-9))
                 h = r.get("hostile")
                 label = "valid" if arm == "valid" else f"mixed:{arm}"
                 print(f"{conc:>4} {label:>16} | {len(r['latency']):>4} | {_pct(r['latency'], 0.5):>6.2f}s {_pct(r['latency'], 0.99):>6.2f}s | "
@@ -416,7 +418,8 @@ def _hostile_table(args: argparse.Namespace, sets: list[str], concs: list[int], 
         if args.reps > 1:
             for arm in sets:
                 print(f"{conc:>4} {'mixed:' + arm:>16} | median of {args.reps} rounds: valid p50 latency {_pct(ratios[arm], 0.5):.2f}x "
-                      f"valid-only (rounds: {', '.join(f'{x:.2f}' for x in ratios[arm])})")
+                      f"valid-only (rounds: {', '.join(f'{x:.2f}' for x in ratios[arm])}); server CPU {_pct(cpu_ratios[arm], 0.5):.2f}x "
+                      f"(rounds: {', '.join(f'{x:.2f}' for x in cpu_ratios[arm])})")
 
 if __name__ == "__main__":
     main()
