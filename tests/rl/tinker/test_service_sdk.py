@@ -102,6 +102,11 @@ def test_supervised_steps_lower_the_loss(client):
         losses.append(fb.result(timeout=60).metrics["loss:sum"])
         assert "grad_norm:mean" in op.result(timeout=60).metrics
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    # The request's Adam parameters are the ones applied: a step at learning rate 0 changes nothing.
+    still = tc.forward([_sft_datum(ids)], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    tc.forward_backward([_sft_datum(ids)], "cross_entropy").result(timeout=60)
+    tc.optim_step(types.AdamParams(learning_rate=0.0)).result(timeout=60)
+    assert tc.forward([_sft_datum(ids)], "cross_entropy").result(timeout=60).metrics["loss:sum"] == pytest.approx(still, abs=1e-5)
 
 
 def test_clients_are_independent_and_custom_losses_run_client_side(client, server):
