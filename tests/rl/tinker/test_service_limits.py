@@ -136,3 +136,16 @@ def test_finishing_a_session_fails_its_queued_requests_and_never_blocks(ckpt, tm
     assert running.done.wait(30) and running.result == "ran"
     for f in queued:
         assert f.done.wait(30) and f.error == (f"model {m.model_id} was unloaded: its session finished", "user")
+
+
+@pytest.mark.parametrize("args,match", [(["--host", "0.0.0.0"], "needs an API key"), (["--api-key", " "], "empty or blank"),
+                                        (["--max-training-clients", "0"], "must be >= 1")])
+def test_cli_refuses_before_anything_starts(args, match):
+    import subprocess
+    import sys
+
+    from tests import REPO
+
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "tinker", "serve", "tiny", *args], capture_output=True, text=True,
+                       cwd=REPO, timeout=180)
+    assert r.returncode == 2 and match in r.stderr, r.stderr
