@@ -779,3 +779,26 @@ def test_a_client_truncated_conversation_records_exact_segments(apps):
         assert seg.token_ids == rec.prompt_token_ids + rec.choices[0].completion_token_ids
         assert seg.loss_mask[-n:] == rec.choices[0].loss_mask
         assert [lp for lp, k in zip(seg.logprobs[-n:], seg.loss_mask[-n:]) if k] == [lp for lp in rec.choices[0].logprobs if lp is not None]
+
+
+def test_strict_tool_schemas_a_grammar_cannot_take_never_break_the_engine(apps):
+    """A strict tool's schema is the client's: schemas the grammar backend refuses or chokes on still get a reply
+    (the arguments then any JSON object, or a 400), never a 5xx, and the engine keeps serving."""
+    base = apps["open"].base
+    nasty = [{"type": "banana"}, {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}, "required": ["a"]},
+             {"type": "object", "properties": {"a": {"type": "string", "minLength": 100000}}, "required": ["a"]},
+             {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]},
+             {"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(5000)]}}, "required": ["a"]},
+             {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]}]
+    for schema in nasty:
+        tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": NAME, "messages": [{"role": "user", "content": "call f"}], "tools": [tool], "tool_choice": "required",
+            "thinking_budget": 0, "max_tokens": 24})
+        assert r.status_code < 500, (schema, r.text[:300])
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                                                     "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    bad = httpx.post(f"{base}/v1/responses", timeout=60, json={"model": NAME, "input": "x", "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": "yes"}]})
+    assert bad.status_code == 400 and "strict" in bad.text

@@ -658,3 +658,25 @@ def test_responses_items_rebuild_the_chat_turns():
         with pytest.raises(ApiError) as ei:
             parse_responses_request({"model": "tiny-test", **bad_body}, SETTINGS, NAMES, CODEC, store)
         assert (ei.value.status, ei.value.param) == (status, param), bad_body
+
+
+def test_a_strict_tool_constrains_its_arguments_to_its_schema():
+    """OpenAI `strict: true`: the forced call's arguments are generated under the tool's parameters schema; a tool
+    without it (or an unknown name) gets any JSON object; `strict` must be a boolean on both OpenAI routes."""
+    from rl.serve.responses import ResponseStore, parse_responses_request
+    from rl.serve.service import _strict_schema
+
+    params = {"type": "object", "properties": {"w": {"enum": ["1h", "24h"]}}, "required": ["w"], "additionalProperties": False}
+    strict = {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}
+    loose = {"type": "function", "function": {"name": "g", "parameters": params}}
+    r = req(tools=[strict, loose], tool_choice="required")
+    assert json.loads(_strict_schema(r.tools, "f")) == params
+    assert _strict_schema(r.tools, "g") is None and _strict_schema(r.tools, None) is None
+    with pytest.raises(ApiError, match="strict"):
+        req(tools=[{"type": "function", "function": {"name": "f", "strict": "yes", "parameters": params}}])
+    rr = parse_responses_request({"model": "tiny-test", "input": "x", "tools": [{"type": "function", "name": "f", "strict": True, "parameters": params}]},
+                                 SETTINGS, NAMES, CODEC, ResponseStore(4)).req
+    assert json.loads(_strict_schema(rr.tools, "f")) == params
+    with pytest.raises(ApiError, match="strict"):
+        parse_responses_request({"model": "tiny-test", "input": "x", "tools": [{"type": "function", "name": "f", "strict": 1, "parameters": params}]},
+                                SETTINGS, NAMES, CODEC, ResponseStore(4))
