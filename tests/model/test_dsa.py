@@ -227,3 +227,39 @@ def test_query_blocks_equal_one_shot(topk, mode, loss):
     assert (l1 is None) == (l2 is None) == (not loss)
     if loss:
         torch.testing.assert_close(l2, l1, atol=1e-6, rtol=1e-5)
+
+
+def test_query_blocks_after_past_keys_equal_one_shot():
+    """Blocks whose queries follow S - T earlier keys (a prefill after a cache, or a sequence shard after the
+    shards before it) read each block's causal keys only: the same output, indexer loss and input gradient."""
+    class Past:  # keys of P earlier positions, as a cache returns them ahead of the new ones
+        def __init__(self, k, v, kI):
+            self.k, self.v, self.kI = k, v, kI
+
+        def update(self, k, v, layer_idx):
+            return torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
+
+        def update_indexer(self, kI, layer_idx):
+            return torch.cat([self.kI, kI], 1)
+
+    for topk in (5, 2048):
+        c = cfg(index_topk=topk, indexer_loss_mode="sparse")
+        P, T = 6, 29
+        cos, sin = rope(c, P + T)
+        cos, sin = cos[:, P:], sin[:, P:]
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(2, T, 48, generator=g)
+        ref = make_layer(c)
+        pk = torch.randn(2, ref.num_kv_heads, P, ref.head_dim, generator=g)
+        pv = torch.randn(2, ref.num_kv_heads, P, ref.head_dim, generator=g)
+        pI = torch.randn(2, P, ref.indexer.project(x, cos, sin)[1].shape[-1], generator=g)
+        runs = []
+        for block in (4096, 8):
+            layer = make_layer(c).train()
+            layer.query_block = block
+            xx = x.clone().requires_grad_(True)
+            out, loss = layer(xx, cos, sin, cache=Past(pk, pv, pI), compute_indexer_loss=True)
+            (out.sum() + loss).backward()
+            runs.append((out.detach(), loss.detach(), xx.grad))
+        for a, b in zip(*runs):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
