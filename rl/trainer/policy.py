@@ -5,7 +5,8 @@ What it does: load a HF checkpoint (the project's HybridMoe or any HF MoE), wrap
 routes it used, for R2 replay), run RL steps with an injected objective (rl/objective.py; the math
 lives in rl/algos), run SFT steps, export weights for sync, save and resume. Long sequences: logprobs
 from the LM head in tiles (rl/trainer/tiled.py), activation checkpointing (rl/trainer/checkpointing.py),
-micro-batches by a token budget (rl/trainer/batch.py `MicroBatching`); docs/training.md, "Long sequences".
+micro-batches by a token budget (rl/trainer/batch.py `MicroBatching`), each sequence split over ranks
+(rl/trainer/ulysses.py); docs/training.md, "Long sequences".
 
 What it does not do: sample, grade, compute advantages, or talk to rollout workers; the driver
 (rl/train.py) does, and passes tensors in. The class is plain Python so tests run it in-process;
@@ -125,7 +126,7 @@ class PolicyTrainer:
         self.sp = ulysses.setup(spec.sequence_parallel_size, rank, world_size)
         self.model_dir = str(model_dir)
         module = load_policy(model_dir, spec.dtype)
-        self._check_sequence_parallel(module.config, "policy")
+        ulysses.prepare_model(module.config, self.sp, spec.prefix_sharing, "policy")
         if spec.lora.enabled:  # before anything holds the module: the peft wrapper is the policy from here on
             from rl.trainer.lora import apply_lora
 
@@ -163,7 +164,7 @@ class PolicyTrainer:
         third of what the trainable copy costs in fp32 with AdamW. It is not sharded across ranks.
         """
         ref = load_policy(model_dir, self.spec.dtype)
-        self._check_sequence_parallel(ref.config, "reference")
+        ulysses.prepare_model(ref.config, self.sp, self.spec.prefix_sharing, "reference")
         ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -179,19 +180,6 @@ class PolicyTrainer:
         if not self.spec.lora.enabled:
             raise RuntimeError("use_base_reference needs trainer.lora.rank > 0")
         self.reference, self.reference_is_base = self.module, True
-
-    def _check_sequence_parallel(self, config, role: str) -> None:
-        """`trainer.sequence_parallel_size` > 1: the model must split (ulysses.model_refusal), packing is off, and
-        the HF attention function is wrapped to split inside sharded forwards."""
-        if self.sp is None:
-            return
-        problem = ulysses.model_refusal(config, self.sp.size)
-        if problem:
-            raise ValueError(f"the {role}: {problem}")
-        if self.spec.prefix_sharing == "on":
-            raise ValueError(f"trainer.prefix_sharing='on' with {ulysses.KEY}={self.sp.size}: a packed forward's tree "
-                             "mask is a [T, T] mask, which sequence-parallel attention does not take; use 'auto' or 'off'")
-        ulysses.install_hf_attention(config)
 
     # ------------------------------------------------------------------ forward helpers
     @property

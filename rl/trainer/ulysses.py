@@ -166,6 +166,21 @@ def setup(size: int, rank: int, world_size: int) -> SequenceParallel | None:
     return SequenceParallel(size, rank % size, _GROUPS[key])
 
 
+def prepare_model(config, sp: SequenceParallel | None, prefix_sharing: str, role: str) -> None:
+    """A model the trainer loads (`role`: policy, reference) under sequence parallelism: it must split
+    (`model_refusal`), packing must not be forced on, and its HF attention function is wrapped to split inside
+    sharded forwards. Nothing without `sp`."""
+    if sp is None:
+        return
+    problem = model_refusal(config, sp.size)
+    if problem:
+        raise ValueError(f"the {role}: {problem}")
+    if prefix_sharing == "on":
+        raise ValueError(f"trainer.prefix_sharing='on' with {KEY}={sp.size}: a packed forward's tree mask is a [T, T] "
+                         "mask, which sequence-parallel attention does not take; use 'auto' or 'off'")
+    install_hf_attention(config)
+
+
 # ---------------------------------------------------------------------------- HF attention
 _CORE: dict[str, Callable] = {}
 _ULYSSES: dict[tuple, Any] = {}
