@@ -15,7 +15,7 @@ computed from the typed rollout groups (never from metric names):
 - `dump`: DUMP's rule (Wang et al. 2025, arXiv 2504.09710): a UCB score per unit, the mean |advantage|
   of its last `dump_window` samples plus `dump_c`·sqrt(2 ln N / n_u) (N samples seen, n_u of them from
   the unit), turned into weights by a softmax at `dump_temperature`. Advantages are GRPO's
-  (r - mean) / (std + eps) within each group, recomputed here from the rewards.
+  (r - mean) / (std + eps) within each group, from rl/algos' GRPO estimator over the rewards.
 Every rule keeps a floor `min_weight` per unit (capped at 1/units) so none starves. `level="family"`
 makes families the units: a family's statistics pool its domains' groups, and a family's weight is
 split among its domains by their base weights.
@@ -31,6 +31,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Mapping, Sequence, TypeVar
 
+import torch
+
+from rl.algos.advantages import grpo_advantages_B
+from rl.algos.dynamic_sampling import group_signal
 from rl.config import EnvsSection
 from rl.types import RolloutGroup
 
@@ -39,21 +43,6 @@ Rule = Literal["variance", "learnability", "dump"]
 Level = Literal["domain", "family"]
 RULES = ("variance", "learnability", "dump")
 LEVELS = ("domain", "family")
-ADV_EPS = 1e-6  # GRPO's std guard (as rl/algos' grpo estimator)
-
-
-def apportion(weights: Mapping[str, float], n: int) -> dict[str, int]:
-    """Largest-remainder split of n slots by weight (deterministic tie-break by name)."""
-    pos = {k: w for k, w in weights.items() if w > 0}
-    if n <= 0 or not pos:
-        return {k: 0 for k in weights}
-    total = sum(pos.values())
-    exact = {k: n * w / total for k, w in pos.items()}
-    out = {k: int(math.floor(v)) for k, v in exact.items()}
-    rest = n - sum(out.values())
-    for k in sorted(pos, key=lambda k: (-(exact[k] - out[k]), k))[:rest]:
-        out[k] += 1
-    return {k: out.get(k, 0) for k in weights}
 
 
 def systematic_apportion(weights: Mapping[str, float], n: int, u: float) -> dict[str, int]:
@@ -86,23 +75,31 @@ class UnitStats:
 
 
 def unit_stats(groups: Sequence[RolloutGroup], unit_of: Mapping[str, str] | None = None) -> dict[str, UnitStats]:
-    """Per-unit statistics of `groups` (unit = domain, or `unit_of[domain]`)."""
+    """Per-unit statistics of `groups` (unit = domain, or `unit_of[domain]`). The zero-variance rule is
+    rl/algos' `group_signal` (the training loop's); advantages are its GRPO estimator's, 0 in a group
+    without signal."""
+    groups = [g for g in groups if g.rewards]
+    if not groups:
+        return {}
+    units_G = [unit_of.get(g.domain, g.domain) if unit_of else g.domain for g in groups]
+    rewards_G = [[float(x) for x in g.rewards] for g in groups]
+    signal = group_signal(rewards_G, units_G)
+    sizes_G = torch.tensor([len(r) for r in rewards_G])
+    rewards_B = torch.tensor([x for r in rewards_G for x in r], dtype=torch.float64)
+    adv_B, _ = grpo_advantages_B(rewards_B, torch.repeat_interleave(torch.arange(len(groups)), sizes_G))
+    adv_B = adv_B * torch.repeat_interleave(torch.tensor(signal.has_signal_G, dtype=torch.float64), sizes_G)
+    abs_adv = adv_B.abs().tolist()
     acc: dict[str, tuple[list[int], list[float], list[float]]] = {}
-    for g in groups:
-        r = [float(x) for x in g.rewards]
-        if not r:
-            continue
-        unit = unit_of.get(g.domain, g.domain) if unit_of else g.domain
-        zv, rew, adv = acc.setdefault(unit, ([], [], []))
-        mean = sum(r) / len(r)
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1)) if len(r) > 1 else 0.0
-        same = max(r) - min(r) <= 1e-12
-        zv.append(int(same))
+    start = 0
+    for unit, r in zip(units_G, rewards_G):
+        n, rew, adv = acc.setdefault(unit, ([0], [], []))
+        n[0] += 1
         rew.extend(r)
-        adv.extend(0.0 if same else abs(x - mean) / (std + ADV_EPS) for x in r)
-    return {u: UnitStats(groups=len(zv), zero_var_frac=sum(zv) / len(zv),
+        adv.extend(abs_adv[start:start + len(r)])
+        start += len(r)
+    return {u: UnitStats(groups=n[0], zero_var_frac=signal.zero_var_frac[u],
                          success=min(1.0, max(0.0, sum(rew) / len(rew))), abs_adv=tuple(adv))
-            for u, (zv, rew, adv) in acc.items()}
+            for u, (n, rew, adv) in acc.items()}
 
 
 def learnability(s: UnitStats) -> float:
