@@ -27,8 +27,14 @@ from rl.observe.telemetry import time_breakdown
 from rl.trainer.batch import TrainBatch
 from rl.types import RolloutGroup, StepMetrics
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the collaborators' types; tests/rl/test_loop.py hands in fakes of the same shape
+    from rl.checkpoint import Checkpoints
     from rl.config import AlgorithmSection
+    from rl.observe.sink import MetricsSink
+    from rl.rollout.rollouts import Rollouts
+    from rl.sampler import DomainSampler
+    from rl.sync import WeightSync
+    from rl.trainer.client import PolicyClient
 
 log = get_logger("train")
 
@@ -50,12 +56,12 @@ class LoopConfig:
 class Loop:
     """The loop's collaborators (rl/setup.py: RunParts has them all)."""
 
-    rollouts: Any  # rl.rollout.rollouts.Rollouts: rollout(tasks, step, draw) -> (groups, RolloutStats); policy_version
-    sampler: Any  # rl.sampler.DomainSampler: sample(n), observe(groups), weights
-    policy: Any  # rl.trainer.client.PolicyClient: penalise_kl, collate, values, submit -> PendingUpdate
-    sync: Any  # rl.sync.WeightSync: push() -> SyncStats, gap(groups) -> GapStats | None
-    checkpoints: Any  # rl.checkpoint.Checkpoints: save(state, sampler)
-    sink: Any  # rl.observe.sink.MetricsSink: log(StepMetrics)
+    rollouts: Rollouts  # rollout(tasks, step, draw) -> (groups, RolloutStats); policy_version
+    sampler: DomainSampler  # sample(n), observe(groups), weights
+    policy: PolicyClient  # penalise_kl, collate, values, submit -> PendingUpdate
+    sync: WeightSync  # push() -> SyncStats, gap(groups) -> GapStats | None
+    checkpoints: Checkpoints  # save(state, sampler)
+    sink: MetricsSink  # log(StepMetrics)
     domains: Sequence[str]
 
 
@@ -113,7 +119,7 @@ def dynamic_sampling(groups: list[RolloutGroup], mode: str) -> tuple[list[Rollou
     return kept, metrics
 
 
-def oversample(rollouts: Any, sampler: Any, step: int, groups: list[RolloutGroup], want: int,
+def oversample(rollouts: Rollouts, sampler: DomainSampler, step: int, groups: list[RolloutGroup], want: int,
                max_tasks: int) -> tuple[list[RolloutGroup], int]:
     """DAPO's dynamic sampling (Yu et al. 2025): roll out more tasks until `want` groups have reward
     variance, drawing at most `max_tasks` tasks in the step. Returns every group rolled out and how
