@@ -67,7 +67,7 @@ def ray_local():
     ray.shutdown()
 
 
-def _update(init: str, zero_stage: int, ranks: int, batch) -> tuple[dict, dict]:
+def _update(init: str, zero_stage: int, ranks: int, batch, sp: int = 1) -> tuple[dict, dict]:
     import os
 
     import ray
@@ -78,7 +78,8 @@ def _update(init: str, zero_stage: int, ranks: int, batch) -> tuple[dict, dict]:
     from rl.weights import unpack_bucket
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("JOINTRL_", "TORCH_EXTENSIONS", "HF_", "TRANSFORMERS_"))}
-    g = TrainerGroup.start(init, TrainerSpec(zero_stage=zero_stage, lr=1e-3, micro_batch_size=2, routing_replay="auto"),
+    g = TrainerGroup.start(init, TrainerSpec(zero_stage=zero_stage, lr=1e-3, micro_batch_size=2, routing_replay="auto",
+                                             sequence_parallel_size=sp),
                            RLObjective(router_aux_coef=0.01), num_ranks=ranks, env=env)
     try:
         m = g.rl_step(batch)
@@ -117,4 +118,25 @@ def test_one_and_two_ranks_compute_the_same_update(ray_local, tmp_path, zero_sta
     assert len(moved) > len(s1) // 2  # the update changed most tensors, and both runs agree on them
     # Adam's first step is nearly invariant to the gradient's scale; the global grad norm is not, so
     # it is what shows the shards' losses add up to the one-rank loss (no factor of world size lost).
+    assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-4)
+
+
+def test_two_ranks_sharing_each_sequence_through_the_group(ray_local, tmp_path):
+    """`trainer.sequence_parallel_size=2` on 2 ranks (one group, data-parallel size 1) through the group's sharding
+    and metric reduction: the one-rank update, each row and token counted once (the split itself, on a Mixtral too:
+    tests/rl/trainer/test_sequence_parallel.py)."""
+    from model.shipped import build_random_checkpoint
+    from rl.algos import aggregation_weights
+    from rl.trainer.batch import collate
+
+    init = str(build_random_checkpoint("tiny", tmp_path / "init", seed=0))
+    batch = collate(_episodes(5, 48, 8192, 1), [1.0, -1.0, 0.5, -0.5, 1.0], domains=("a", "b"))
+    w, _ = aggregation_weights("domain_token_mean", batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B)
+    batch = batch.with_(loss_weights_BT=w)
+    s1, m1 = _update(init, 1, 1, batch)
+    s2, m2 = _update(init, 1, 2, batch, sp=2)
+    worst = max(float((s1[n] - s2[n]).abs().max()) for n in s1)
+    assert worst <= 1e-5, f"1 rank vs 2 ranks sharing each sequence differ by {worst:.3g}"
+    assert m2["trainer/world_size"] == 2 and m2["train/seqs"] == 5 and m2["train/tokens"] == m1["train/tokens"]
+    assert m2["train/micro_batches"] == m1["train/micro_batches"]
     assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-4)
