@@ -20,7 +20,7 @@ The last line is `longest trainable: N tokens`: the longest length at which some
 TRL's GRPOTrainer is not run here (scripts/bench_trl.py compares it at short lengths). Threads: --threads
 (default 2).
 
-    .venv/bin/python scripts/bench_long.py --dsa --lengths 4096,16384,32768
+    .venv/bin/python scripts/bench_long.py --dsa --lengths 4096,16384,32768 [--settings dense,sparse]
 
 `--dsa`: one Gated DSA layer of the tiny HybridMoe (model/dsa.py; hidden 128, 2 heads of 64, indexer 2 x 64),
 forward + backward over one sequence of L tokens with its indexer loss: `sparse` (top-2048 keys) against
@@ -203,7 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,4096,8192,16384,32768")
     ap.add_argument("--model", default=str(REPO / ".cache/models/smollm2-135m-moe"))
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default=None, help=f"default: {','.join(SETTINGS)}; with --dsa: {','.join(DSA_SETTINGS)}")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per case")
     ap.add_argument("--max-rss-gb", type=float, default=16.0, help="kill a case whose resident memory passes this")
@@ -231,10 +231,11 @@ def main() -> None:
         Path(a.out).write_text(json.dumps(res))
         return
     lengths = [int(x) for x in a.lengths.split(",") if x]
-    settings = list(DSA_SETTINGS) if a.dsa else [s for s in a.settings.split(",") if s]
-    unknown = [s for s in settings if s not in SETTINGS and s not in DSA_SETTINGS]
+    default = DSA_SETTINGS if a.dsa else SETTINGS
+    settings = [s for s in (a.settings or ",".join(default)).split(",") if s]
+    unknown = [s for s in settings if s not in default]
     if unknown:
-        raise SystemExit(f"--settings: unknown {unknown}; allowed: {', '.join(SETTINGS)}")
+        raise SystemExit(f"--settings: unknown {unknown}; allowed: {', '.join(default)}")
     print(f"model {a.model}, {a.threads} threads, one episode of L tokens, loss on the last half; "
           "peak = resident memory above the loaded model")
     print(f"{'length':>7} {'setting':<14} {'peak GB':>8} {'tokens/s':>9} {'step s':>8} {'cpu s':>8}  status")
