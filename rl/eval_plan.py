@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from rl.algos.apportion import largest_remainder
+
 if TYPE_CHECKING:
     from rl.config import EvalSection
 
@@ -51,22 +53,6 @@ class EvalPlan:
         return sum(self.tasks.values()) * self.samples
 
 
-def _largest_remainder(total: int, weights: Mapping[str, float], rank: Mapping[str, int]) -> dict[str, int]:
-    """Split `total` by weight: floors, then one more each for the largest remainders (ties: lower rank first)."""
-    pos = {k: w for k, w in weights.items() if w > 0}
-    out = {k: 0 for k in weights}
-    if total <= 0 or not pos:
-        return out
-    s = sum(pos.values())
-    exact = {k: total * w / s for k, w in pos.items()}
-    for k, v in exact.items():
-        out[k] = int(math.floor(v))
-    rest = total - sum(out.values())
-    for k in sorted(pos, key=lambda k: (-(exact[k] - out[k]), rank[k]))[:rest]:
-        out[k] += 1
-    return out
-
-
 def _fill(total: int, weights: Mapping[str, float], room: Mapping[str, int], rank: Mapping[str, int]) -> dict[str, int]:
     """Split `total` by weight, no key above its `room`; what a full key cannot take goes to the others
     (rounds of largest remainder over the keys with room left)."""
@@ -76,7 +62,7 @@ def _fill(total: int, weights: Mapping[str, float], room: Mapping[str, int], ran
         open_ = {k: w for k, w in weights.items() if got[k] < room[k] and w > 0}
         if not open_:
             break
-        share = _largest_remainder(left, open_, rank)
+        share = largest_remainder(left, open_, rank)
         moved = 0
         for k, n in share.items():
             take = min(n, room[k] - got[k])
