@@ -18,8 +18,7 @@ from typing import Any, Literal
 
 from jointrl.records import Task
 from rl.errors import ConfigError
-
-TIERS = ("low", "high", "max")
+from rl.rollout.tiers import TIERS
 
 
 @dataclass
@@ -36,7 +35,9 @@ class EnvsSection:
     dump_c: float = 1.0  # DUMP's UCB exploration coefficient
     dump_temperature: float = 0.1  # softmax temperature from UCB scores to weights
     default_tier: dict[str, str] = field(default_factory=lambda: {"terminal": "low", "swe": "high", "browse": "high", "cad": "high"})  # the tier of a domain's tasks that carry none (a task's own tier wins)
-    sandbox_slots: int = 4  # concurrent sandboxes (a scheduled resource)
+    # concurrent sandboxes of the SFT demonstration replays only (rl/sft.py); RL episodes are bounded by
+    # rollout.max_concurrent_episodes, not by this key
+    sandbox_slots: int = 4
     # Domains from the author's own files or modules, neither built in nor packaged: each a path to a .py file
     # (relative to the working directory) or a module name, imported before env ids are checked; its
     # `register()` registers the domain (docs/envs.md, "Writing a domain"). Also $JOINTRL_ENV_PLUGINS.
