@@ -95,3 +95,22 @@ def wanted(mode: str, tokens: int, config) -> bool:
     if mode == "off":
         return False
     return activation_bytes(tokens, config) > AUTO_BYTES
+
+
+def on_every_rank(model: nn.Module, on: bool) -> bool:
+    """`on` agreed over the ranks (any rank's True wins) where the model's weights are partitioned by ZeRO-3,
+    else `on` as it is. Under ZeRO-3 each layer's forward gathers its weights collectively, and so does its
+    recompute in the backward; ranks hold micro-batches of different sizes, so "auto" can decide differently
+    on two ranks, and the rank that recomputes would wait in a gather the other never makes."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return on
+    params = [p for p in model.parameters()]
+    if not any(hasattr(p, "ds_id") for p in params):  # not a ZeRO-3 parameter: no collective per forward
+        return on
+    flag = torch.tensor([int(on)], dtype=torch.long, device=params[0].device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+

@@ -204,7 +204,10 @@ class PolicyTrainer:
         shard = ulysses.current()
         if self._ckpt.get(id(m), False):
             n = pack.shape[0] * pack.shape[1] if pack is not None else mb.input_ids_BT.numel() // (shard.size if shard else 1)
-            checkpointing.set_active(m, checkpointing.wanted(self.spec.activation_checkpointing, n, m.config))
+            on = checkpointing.wanted(self.spec.activation_checkpointing, n, m.config)
+            if self.spec.activation_checkpointing == "auto":
+                on = checkpointing.on_every_rank(m, on)
+            checkpointing.set_active(m, on)
         if shard is not None:  # this rank's part of a sequence-parallel group's micro-batch (rl/trainer/ulysses.py)
             out, lp = ulysses.sharded_logprobs(self._run, m, mb, shard, replay_BTLK, router_logits, module, tile)
             return out, lp, None
