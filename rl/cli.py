@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="move an existing run directory aside (RUN_DIR.prev-<time>) and start a new run there")
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on each domain's held-out split")
-    p.add_argument("checkpoint", help="checkpoint directory (HF format) or a shipped model config name")
+    p.add_argument("checkpoint", help="checkpoint directory (HF format, or a run's), a pullable model name "
+                   "(`jointrl models list`, pulled on first use), a URL of exported weights, or a shipped model config name")
     p.add_argument("--config", default=None, help="YAML run config for env/rollout settings")
     p.add_argument("--tasks-per-domain", type=int, default=8, help="held-out tasks evaluated per domain (default 8)")
     from rl.rollout.tiers import TIERS  # light: the names of jointrl.records.ThinkingTier

@@ -1,9 +1,11 @@
 """Held-out evaluation: `evaluate(rollouts, pools, ev, run_dir, label)` (the driver's before / after tables)
 and `jointrl eval CKPT`, held-out success per domain (and per thinking tier) for one checkpoint.
 
-CKPT is a HF checkpoint dir (a run's `checkpoint/hf`, or any compatible model dir: with the project
-tokenizer it speaks the `jointrl` chat format, with a chat template of its own the `hf` codec, unless
-`model.chat_codec` says otherwise) or a shipped model shape name (random weights: a floor for comparisons).
+CKPT is read as every model argument is (rl/model_arg.py): a HF checkpoint dir (a run's `checkpoint` or
+`checkpoint/hf`, or any compatible model dir: with the project tokenizer it speaks the `jointrl` chat format,
+with a chat template of its own the `hf` codec, unless `model.chat_codec` says otherwise), a pullable
+model's name (pulled on first use, as `jointrl train` pulls `model.arch`), a URL of exported weights, or a
+shipped model shape name (random weights: a floor for comparisons).
 `eval.samples` episodes per held-out task at `eval.temperature`, through the same vLLM workers,
 environments and graders as training. Prints a table and writes RUN_DIR/eval_<label>.json.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -303,18 +306,33 @@ def print_eval_table(run_dir: Path, before: Sequence[EvalRow], after: Sequence[E
     write_eval_json(Path(run_dir) / "eval.json", env_ids or {}, before, after, control, rl_seconds)
 
 
+def eval_model(checkpoint: str, *, pull: bool = True) -> tuple[str, str]:
+    """`jointrl eval`'s CKPT read as every model argument is (rl/model_arg.py; a pullable name is pulled as
+    `jointrl train` pulls `model.arch`): the run's `model.arch` and the label of its run name. A shipped config
+    keeps its name, so the run builds its random weights with `model.seed`."""
+    from rl.model_arg import resolve_model
+
+    arg = resolve_model(checkpoint, pull=pull, what="jointrl eval CKPT")
+    arch = str(arg.path) if arg.path is not None else checkpoint
+    return arch, (arg.path.name if arg.kind == "checkpoint" else Path(checkpoint.rstrip("/")).name)
+
+
 def main(cfg: RunConfig, checkpoint: str, tasks_per_domain: int = 8, tiers: Sequence[str] | None = None) -> int:
+    from rl.model_arg import ModelArgError
+    from rl.rollout.tiers import TIERS
     from rl.setup import start_run
 
     setup_logging(cfg.logging.level)
     for t in tiers or ():
-        if t not in ("low", "high", "max"):
-            print(f"jointrl eval: unknown thinking tier {t!r}; allowed: low, high, max")
+        if t not in TIERS:
+            print(f"jointrl eval: unknown thinking tier {t!r}; allowed: {', '.join(TIERS)}")
             return 2
-    ck = Path(checkpoint)
-    if (ck / "hf" / "config.json").exists():  # a run's checkpoint dir
-        ck = ck / "hf"
-    cfg = replace(cfg, name=f"eval-{ck.name}", model=replace(cfg.model, arch=str(ck) if ck.exists() else checkpoint),
+    try:
+        arch, label = eval_model(checkpoint)
+    except ModelArgError as e:
+        print(f"jointrl eval: {e}", file=sys.stderr)
+        return 2
+    cfg = replace(cfg, name=f"eval-{label}", model=replace(cfg.model, arch=arch),
                   logging=replace(cfg.logging, wandb_mode="disabled"))
     with start_run(cfg, with_trainer=False) as parts:
         rows = evaluate(parts.rollouts, parts.pools, cfg.eval, parts.run_dir, "eval", default_n=max(2, cfg.trainer.tasks_per_step),

@@ -129,3 +129,19 @@ def test_load_eval_reads_back_what_evaluate_wrote(tmp_path):
     (tmp_path / "eval_before.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))  # as evaluate writes it
     assert load_eval(tmp_path, "before") == rows
     assert load_eval(tmp_path, "after") is None
+
+
+def test_eval_reads_its_checkpoint_argument_as_train_does(tmp_path):
+    from rl.evaluate import eval_model
+    from rl.models_cli import light_hub
+
+    run = tmp_path / "run7" / "checkpoint"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    assert eval_model(str(run)) == (str(run / "hf"), "hf")  # a run's checkpoint directory: its hf/ weights
+    assert eval_model(str(run / "hf")) == (str(run / "hf"), "hf")
+    assert eval_model("tiny") == ("tiny", "tiny")  # shipped: random weights built by the run
+    hub = light_hub()
+    name = hub.names()[0]  # a pullable name becomes its directory, as model.arch does for `jointrl train`
+    want = str(hub.local_path(name)) if hub.is_cached(name) else name
+    assert eval_model(name, pull=False) == (want, name)
