@@ -4,7 +4,9 @@ Each section is a dataclass whose field defaults are the single source of defaul
 field comments document the meaning. `load_config(path, overrides)` validates everything before
 anything starts: an unknown key (with the nearest valid key suggested), a value of the wrong type,
 or a value outside its allowed set raises `ConfigError` naming the key, the bad value and what is
-allowed. This module does not start anything; components read their own section.
+allowed. This module starts nothing (it builds no model and runs no process); the one thing
+`load_config` fetches is a pullable model named by `model.arch` / `model.reference`, on first use
+(see `resolve_pullable`). Components read their own section.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import yaml
 
 from jointrl.paths import REPO_ROOT, cache_root
 from rl.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
+from rl.rollout.tiers import TIERS  # light: the names of jointrl.records.ThinkingTier
 # Sections owned by their components, composed here (and re-exported: callers import them from here too).
 from rl.observe.config import LoggingSection  # noqa: F401
 from rl.rollout.config import RolloutSection  # noqa: F401
@@ -144,12 +147,6 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------- validation
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against annotation `tp`; return it (ints widen to floats). Raise ConfigError."""
     origin = get_origin(tp)
@@ -261,7 +258,9 @@ def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                 pull: bool = True) -> RunConfig:
     """Load a YAML run config (or the defaults) and apply `key.sub=value` overrides; validate all of it.
-    `pull=False` (a dry run): a pullable model that is not cached keeps its name instead of being pulled."""
+    A pullable model (or a URL of exported weights) in `model.arch` / `model.reference` is pulled on first use
+    (a download, then cached: `resolve_pullable`); `pull=False` (a dry run) pulls nothing and keeps the name
+    of one not on this machine."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -295,24 +294,21 @@ def _hub():
 
 
 def resolve_pullable(cfg: RunConfig, *, pull: bool = True) -> RunConfig:
-    """`model.arch` (and `model.reference`) naming a pullable pretrained model (model/hub.py) becomes that
-    model's checkpoint directory, pulled first if this machine has not pulled it yet (cached, file-locked,
-    offline after the first pull). Everything after this sees a directory, as if the user had given one."""
-    hub = _hub()
+    """`model.arch` (and `model.reference`) read by the one model-argument resolver (rl/model_arg.py): a
+    pullable pretrained model (model/hub.py) or a URL of exported weights becomes its checkpoint directory,
+    pulled first if this machine has not pulled it yet (cached, file-locked, offline after the first pull),
+    and a run's checkpoint directory its `hf/`. Everything after this sees a directory, as if the user had
+    given one; a checkpoint directory or a shipped config name is kept as written."""
+    from rl.model_arg import ModelArgError, resolve_model
 
     def resolved(key: str, value: str) -> str:
-        if value not in hub.names():
+        if key == "model.reference" and value == "initial":
             return value
-        if not pull:
-            return str(hub.local_path(value)) if hub.is_cached(value) else value
-        if not hub.is_cached(value):
-            import sys
-
-            print(f"config: pulling {value} (first use; `jointrl models pull {value}`)", file=sys.stderr, flush=True)
         try:
-            return str(hub.pull(value))
-        except hub.PullError as e:
-            raise ConfigError(f"config key '{key}': {value!r} names a pullable model, and pulling it failed: {e}") from e
+            arg = resolve_model(value, pull=pull, what=f"config key '{key}'")
+        except ModelArgError as e:
+            raise ConfigError(str(e)) from e
+        return value if arg.path is None or arg.path == Path(value) else str(arg.path)
 
     model = dataclasses.replace(cfg.model, arch=resolved("model.arch", cfg.model.arch),
                                 reference=resolved("model.reference", cfg.model.reference))
@@ -335,12 +331,18 @@ def validate(cfg: RunConfig) -> None:
     if cfg.envs.weights and sum(cfg.envs.weights.values()) <= 0:
         raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
     _validate_context(cfg)
+    allowed_tiers = ", ".join(repr(t) for t in TIERS)
     for tier, n in cfg.rollout.thinking_budgets.items():
-        if tier not in ("low", "high", "max"):
-            raise ConfigError(f"config key 'rollout.thinking_budgets.{tier}': unknown tier; allowed: 'low', 'high', 'max'")
+        if tier not in TIERS:
+            raise ConfigError(f"config key 'rollout.thinking_budgets.{tier}': unknown tier; allowed: {allowed_tiers}")
+    # every tier a task can carry needs a budget, so rl.rollout.tiers.TierError cannot stop a run mid-rollout
+    missing = [t for t in TIERS if t not in cfg.rollout.thinking_budgets]
+    if missing:
+        raise ConfigError(f"config key 'rollout.thinking_budgets': no budget for tier(s) {', '.join(repr(t) for t in missing)}; "
+                          f"every tier needs one (tiers: {allowed_tiers}; -1 = no cap)")
     for d, tier in cfg.envs.default_tier.items():
-        if tier not in ("low", "high", "max"):
-            raise ConfigError(f"config key 'envs.default_tier.{d}': value {tier!r} is not allowed; allowed values: 'low', 'high', 'max'")
+        if tier not in TIERS:
+            raise ConfigError(f"config key 'envs.default_tier.{d}': value {tier!r} is not allowed; allowed values: {allowed_tiers}")
     positive = {
         "algorithm.group_size": cfg.algorithm.group_size,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,

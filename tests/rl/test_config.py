@@ -62,6 +62,37 @@ def test_bad_config_names_key_value_and_allowed(override, needles):
         assert n in msg, (n, msg)
 
 
+def test_every_thinking_tier_needs_a_budget(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("rollout:\n  thinking_budgets: {low: 64}\n")  # a YAML mapping replaces the default one
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    for needle in ("rollout.thinking_budgets", "'high', 'max'", "tiers: 'low', 'high', 'max'"):
+        assert needle in str(ei.value), (needle, str(ei.value))
+    p.write_text("rollout:\n  thinking_budgets: {low: 64, high: 128, max: -1}\n")
+    assert load_config(p).rollout.thinking_budgets == {"low": 64, "high": 128, "max": -1}
+    with pytest.raises(ConfigError, match="rollout.thinking_budgets.mid': unknown tier; allowed: 'low', 'high', 'max'"):
+        load_config(None, ["rollout.thinking_budgets.mid=3"])
+
+
+def test_model_arch_is_read_like_every_model_argument(tmp_path):
+    run = tmp_path / "run" / "checkpoint"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    cfg = RunConfig()
+    from dataclasses import replace
+
+    from rl.config import resolve_pullable
+
+    def arch(value: str) -> str:
+        return resolve_pullable(replace(cfg, model=replace(cfg.model, arch=value)), pull=False).model.arch
+
+    assert arch(str(run)) == str(run / "hf")  # a run's checkpoint directory: its hf/ weights
+    assert arch(str(run / "hf") + "/") == str(run / "hf") + "/"  # a checkpoint directory is kept as written
+    assert arch("tiny") == "tiny"
+    assert resolve_pullable(cfg).model.reference == "initial"
+
+
 def test_shipped_configs_validate():
     for p in sorted((REPO / "configs").glob("*.yaml")):
         load_config(p)
