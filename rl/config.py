@@ -331,6 +331,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.envs.weights and sum(cfg.envs.weights.values()) <= 0:
         raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
     _validate_context(cfg)
+    from rl.trainer.ulysses import run_config_problem  # trainer.sequence_parallel_size against the run
+
+    if problem := run_config_problem(cfg):
+        raise ConfigError(problem)
     allowed_tiers = ", ".join(repr(t) for t in TIERS)
     for tier, n in cfg.rollout.thinking_budgets.items():
         if tier not in TIERS:
