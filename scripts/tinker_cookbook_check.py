@@ -209,7 +209,8 @@ def main() -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    print(f"{'OK' if ok else 'FAILED'}; recipes' wall time {time.time() - t0:.1f} s; logs under {tmp}", flush=True)
+    kept = f"; logs under {tmp}" if args.keep else ""
+    print(f"{'OK' if ok else 'FAILED'}; recipes' wall time {time.time() - t0:.1f} s{kept}", flush=True)
     if not args.keep:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
