@@ -47,20 +47,19 @@ def test_heldout_tasks_are_disjoint_from_train(env_id):
 def test_sft_set_is_built_from_train_tasks_only():
     from model.chat import IM_END_ID
     from rl.rollout.codec import as_codec
-    from rl.sft import sft_data
+    from rl.sft import SftSet
     from model.chat import load_tokenizer
 
     env_id = "terminal-basics-v0"
     train = [Task.from_row(r) for r in envs.tasks(env_id, "train", seed=0)]
     held = [Task.from_row(r) for r in envs.tasks(env_id, "heldout", seed=0)]
     tok = load_tokenizer()
-    cfg = load_config(None, ["trainer.sft_tasks_per_domain=3", "envs.sandbox_slots=2"])
-    # The runtime's task pools hold both splits; a held-out task placed in the train pool is refused by
-    # the SFT builder (it checks each task's split), so even a wrong pool cannot leak held-out tasks.
-    rt = types.SimpleNamespace(cfg=cfg, domains=["terminal"], train_tasks={"terminal": [held[0], *train[:2]]},
-                               make_env=lambda t: envs.make(env_id), tok=tok,
-                               codec=as_codec(__import__("model.chat", fromlist=["x"]), tok, end_token_id=IM_END_ID))
-    eps = sft_data(rt)
+    # The run's task pools hold both splits; a held-out task placed in the train pool is refused by the
+    # SFT builder (it checks each task's split), so even a wrong pool cannot leak held-out tasks.
+    pools = types.SimpleNamespace(domains=["terminal"], train={"terminal": [held[0], *train[:2]]}, heldout={})
+    rollouts = types.SimpleNamespace(make_env=lambda t: envs.make(env_id), tok=tok,
+                                     codec=as_codec(__import__("model.chat", fromlist=["x"]), tok, end_token_id=IM_END_ID))
+    eps = SftSet(pools, tasks_per_domain=3, sandbox_slots=2, max_model_len=2048).episodes(rollouts)
     assert len(eps) == 2
     assert {e.task_id for e in eps} == {t.id for t in train[:2]}
     assert held[0].id not in {e.task_id for e in eps}
