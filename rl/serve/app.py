@@ -22,7 +22,6 @@ What it does not do
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import sys
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from rl.serve.codec import ServeCodec, build_codec
 from rl.serve.core import MAX_JSON_DEPTH, ApiError, bad, check_body_tree
 from rl.serve.records import Recorder
 from rl.serve.service import ChatService, Prepared
-from rl.serve.settings import EFFORTS, TIERS, ServeArgs, ServeError, ServeSettings, check_api_key
+from rl.serve.settings import EFFORTS, TIERS, ServeArgs, ServeError, ServeSettings, check_api_key, key_in_headers
 
 log = get_logger("serve")
 
@@ -118,14 +117,7 @@ class _Gate:
         self.app, self.key, self.service = app, check_api_key(api_key), service
 
     def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        if self.key is None:
-            return True
-        want = self.key.encode()
-        for k, v in headers:
-            given = v.strip() if k == b"x-api-key" else v[7:].strip() if k == b"authorization" and v[:7].lower() == b"bearer " else b""
-            if given and hmac.compare_digest(given, want):  # an empty value never passes, whatever the key
-                return True
-        return False
+        return key_in_headers(headers, self.key)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":

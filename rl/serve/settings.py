@@ -177,6 +177,21 @@ def from_args(a: argparse.Namespace) -> ServeArgs:
     return ServeArgs(a.model, a.host, a.port, a.record_dir, key, settings)
 
 
+def key_in_headers(headers: list[tuple[bytes, bytes]], key: str | None) -> bool:
+    """Whether raw ASGI `headers` carry `key` as `x-api-key` or `Authorization: Bearer` (True when `key` is None),
+    compared in constant time; an empty value never passes, whatever the key."""
+    import hmac
+
+    if key is None:
+        return True
+    want = key.encode()
+    for k, v in headers:
+        given = v.strip() if k == b"x-api-key" else v[7:].strip() if k == b"authorization" and v[:7].lower() == b"bearer " else b""
+        if given and hmac.compare_digest(given, want):
+            return True
+    return False
+
+
 def check_api_key(key: str | None, where: str = "the API key") -> str | None:
     """A usable API key or None (no key). An empty or blank key is refused: it would make an empty
     `x-api-key` header pass the gate. Surrounding whitespace is refused too (headers are compared stripped)."""

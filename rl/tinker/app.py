@@ -21,7 +21,6 @@ What this module does not do: the state and queues (rl/tinker/service.py), the p
 from __future__ import annotations
 
 import argparse
-import hmac
 import os
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np
 from fastapi import Request  # module level: the routes' annotations are strings FastAPI resolves here
 
 from rl.log import get_logger
+from rl.serve.settings import key_in_headers
 from rl.tinker.records import (CreateModelBody, CreateSamplingBody, LoadWeightsBody, ModelBody, OptimStepBody,
                                RetrieveBody, SampleBody, SaveForSamplerBody, SaveWeightsBody, SessionBody)
 from rl.tinker.service import Future, TinkerError, TinkerLimits, TinkerService
@@ -49,14 +49,7 @@ class _Gate:
         self.app, self.key, self.max_body = app, api_key, max_body
 
     def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        if self.key is None:
-            return True
-        want = self.key.encode()
-        for k, v in headers:
-            given = v.strip() if k == b"x-api-key" else v[7:].strip() if k == b"authorization" and v[:7].lower() == b"bearer " else b""
-            if given and hmac.compare_digest(given, want):
-                return True
-        return False
+        return key_in_headers(headers, self.key)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         from starlette.responses import JSONResponse
