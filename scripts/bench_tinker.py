@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,16 +28,12 @@ sys.path.insert(0, str(REPO))
 KEY = "tml-bench-key"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(ckpt: str, tmp: Path, max_len: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    port = _port()
+    from rl.jobs.server import free_port
+
+    port = free_port()
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "rl.tinker", "serve", ckpt, "--port", str(port), "--api-key", KEY,
                              "--state-dir", str(tmp / "state"), "--max-model-len", str(max_len), "--kv-cache-gib", "0.5"],

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,16 +67,12 @@ def _cookbook() -> None:
     sys.path.append(str(COOKBOOK_DIR))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(ckpt: Path, tmp: Path, max_len: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    port = _port()
+    from rl.jobs.server import free_port
+
+    port = free_port()
     jointrl = Path(sys.executable).parent / "jointrl"
     cmd = [str(jointrl), "tinker", "serve", str(ckpt), "--port", str(port), "--api-key", KEY,
            "--state-dir", str(tmp / "state"), "--max-model-len", str(max_len), "--kv-cache-gib", "0.25"]
