@@ -5,7 +5,9 @@ What it does
   `/v1/responses` (rl.serve.responses), `/v1/messages` and `/v1/messages/count_tokens` (rl.serve.anthropic),
   `/v1/models`, `/health`, `/metrics` (Prometheus text). Errors use the route's protocol shape (Anthropic's under
   `/v1/messages`, OpenAI's elsewhere), never a bare 500 for a bad request.
-- An ASGI gate in front of every route: the API key (`Authorization: Bearer K` or `x-api-key: K`;
+- An ASGI gate in front of every route: a per-client rate limit (rl/ratelimit.py: a token bucket per
+  client address, `rate_limit_per_s` / `rate_limit_burst`; past it 429 with `Retry-After`, answered before
+  the key check and before any body byte is read), the API key (`Authorization: Bearer K` or `x-api-key: K`;
   401 otherwise; an empty or blank key is refused when the app is built) and per-route request counting.
   `/health` answers without the key, and then only `{"status": "ok"}`.
 - Bodies that are not JSON, not UTF-8, nested past 64 levels or hold lone surrogates are a 400.
@@ -17,7 +19,8 @@ What it does
   `jointrl train`, `eval` and `jobs` use too), pick the chat codec the way training does (rl/serve/codec.py), build the engine, serve.
 
 What it does not do
-- No TLS (put a proxy in front), no per-key quotas.
+- No TLS (put a proxy in front), no per-key quotas (the one API key names no client; the rate limit goes by
+  address, so behind a proxy every client is the proxy: raise or turn off the limit there).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from starlette.requests import Request  # module level: FastAPI resolves the handlers' (string) annotations here
 
 from rl.log import get_logger
+from rl.ratelimit import RateLimiter, client_id
 from rl.serve import anthropic as anth
 from rl.serve import openai as oai
 from rl.serve import responses as resp
@@ -111,10 +115,13 @@ def _error_response(path: str, e: ApiError) -> Any:
 
 
 class _Gate:
-    """ASGI middleware: API-key check on every HTTP route, and request counting by route and status."""
+    """ASGI middleware: the per-client rate limit and the API-key check on every HTTP route, and request counting
+    by route and status."""
 
     def __init__(self, app: Any, api_key: str | None, service: ChatService) -> None:
         self.app, self.key, self.service = app, check_api_key(api_key), service
+        s = service.settings
+        self.limiter = RateLimiter(s.rate_limit_per_s, s.rate_limit_burst)
 
     def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
         return key_in_headers(headers, self.key)
@@ -124,6 +131,14 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = scope["path"]
         route = path if path in _ROUTES else "other"
+        wait = self.limiter.take(client_id(scope))
+        if wait is not None:  # refused before the key check and the body: the cheapest answer the server has
+            self.service.metrics.requests.labels(route, "429").inc()
+            resp = _error_response(path, ApiError(
+                429, f"too many requests from this client: at most {self.limiter.per_s:g} per second "
+                     f"(bursts of {self.limiter.burst}); retry after the Retry-After seconds",
+                type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": self.limiter.retry_after(wait)}))
+            return await resp(scope, receive, send)
         authorised = self._authorised(scope["headers"])
         scope.setdefault("state", {})["authorised"] = authorised
         if not authorised and path not in _OPEN_ROUTES:

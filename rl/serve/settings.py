@@ -7,6 +7,7 @@ every setting is a flag with the dataclass's default and comment as its help. Li
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping
@@ -47,6 +48,8 @@ class ServeSettings:
     max_tokens_limit: int | None = None  # largest max_tokens accepted (400 above), also the default; None: the context room
     max_running: int = 256  # requests generating at once
     max_queue: int = 256  # requests waiting for a running slot; more get 429 with Retry-After
+    rate_limit_per_s: float = 100.0  # requests per second one client address may sustain (a token bucket; 429 with Retry-After past it, before the body is read); 0: no limit
+    rate_limit_burst: int = 512  # requests one client address may send at once before its rate limit applies (default: the admission's room, max_running + max_queue)
     max_images: int = 4  # images one request may carry (a checkpoint with a vision tower, project chat format); 0: refuse images
     # The chat format, chosen as training chooses it (model.chat_codec / tool_parser / reasoning_parser, whose defaults these are):
     chat_codec: str = ModelSection.chat_codec  # auto: jointrl for the shipped tokenizer (or none), hf for a checkpoint with a chat template of its own; jointrl; hf
@@ -72,6 +75,10 @@ class ServeSettings:
             raise ServeError(f"ServeSettings.max_images must be in [0, {MAX_IMAGES_PER_PROMPT}], got {self.max_images}")
         if self.max_queue < 0:
             raise ServeError(f"ServeSettings.max_queue must be >= 0, got {self.max_queue}")
+        if not (self.rate_limit_per_s >= 0 and math.isfinite(self.rate_limit_per_s)):
+            raise ServeError(f"ServeSettings.rate_limit_per_s must be a finite number >= 0 (0: no limit), got {self.rate_limit_per_s}")
+        if self.rate_limit_burst < 1:
+            raise ServeError(f"ServeSettings.rate_limit_burst must be >= 1, got {self.rate_limit_burst}")
         if self.kv_cache_gib <= 0:
             raise ServeError(f"ServeSettings.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:

@@ -316,3 +316,76 @@ def test_an_empty_key_header_never_passes_and_health_needs_no_key():
             assert c.post("/v1/chat/completions", json=body, headers=headers).status_code == 400
             assert c.get("/v1/models", headers=headers).status_code == 200
             assert "policy_version" in c.get("/health", headers=headers).json()  # the details need the key
+
+
+# ----------------------------------------------------------------------------- one client's flood
+def test_the_token_bucket_against_its_definition():
+    """Burst 3, 2 tokens/s, a clock the test moves: the counts follow from the bucket's rule by hand."""
+    from rl.ratelimit import RateLimiter
+
+    now = [0.0]
+    lim = RateLimiter(2.0, 3, max_clients=2, clock=lambda: now[0])
+    assert [lim.take("a") for _ in range(3)] == [None, None, None]       # the burst
+    assert lim.take("a") == pytest.approx(0.5)                           # empty: one token in 1/2 s
+    assert lim.take("b") is None                                         # another client has its own bucket
+    now[0] = 0.5
+    assert lim.take("a") is None and lim.take("a") == pytest.approx(0.5)  # refilled one, spent it
+    now[0] = 100.0
+    assert [lim.take("a") for _ in range(4)][-1] is not None             # refill stops at the burst
+    lim.take("c")                                                        # a third client drops the longest-unseen (b)
+    assert len(lim) == 2
+    assert lim.retry_after(0.01) == "1" and lim.retry_after(1.2) == "2"
+    assert RateLimiter(0.0, 1).take("a") is None                         # 0: no limit
+    for bad_kw in ({"rate_limit_per_s": -1.0}, {"rate_limit_per_s": float("nan")}, {"rate_limit_burst": 0}):
+        with pytest.raises(ServeError, match=next(iter(bad_kw))):
+            ServeSettings(**bad_kw)
+
+
+def test_a_flooding_client_gets_429_before_its_body_is_read_and_others_do_not():
+    """Through real HTTP (uvicorn on loopback, the openai client and httpx): one address past its bucket gets 429
+    with Retry-After, even for a body that would take parsing (100,000-deep JSON) and without a key; another
+    address (127.0.0.2) is served; the bucket refills."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import httpx
+    import openai
+    import uvicorn
+
+    from rl.jobs.server import free_port
+
+    settings = ServeSettings(rate_limit_per_s=4.0, rate_limit_burst=5)
+    svc = ChatService(SimpleNamespace(policy_version=0), JOINTRL, settings, NAMES, 4096)  # no engine: nothing here generates
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(svc, "sekrit-1"), host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sekrit-1", max_retries=0)
+        for _ in range(5):
+            assert [m.id for m in client.models.list()] == ["m"]
+        with pytest.raises(openai.RateLimitError) as e:
+            client.models.list()
+        assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
+        assert e.value.body["code"] == "rate_limit_exceeded"
+        deep = b"[" * 100_000 + b"]" * 100_000
+        with httpx.Client(base_url=base) as c:
+            r = c.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"  # not 401, not 400: nothing was read
+            r = c.post("/v1/messages", content=deep, headers={"content-type": "application/json"})
+            assert r.status_code == 429 and r.json()["type"] == "error"  # the route's own error shape
+        other = httpx.Client(base_url=base, transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+        with other:
+            assert other.get("/v1/models", headers={"x-api-key": "sekrit-1"}).status_code == 200
+            assert other.post("/v1/chat/completions", content=deep, headers={"x-api-key": "sekrit-1"}).status_code == 400
+            assert 'route="/v1/models",status="429"' in other.get("/metrics", headers={"x-api-key": "sekrit-1"}).text
+        time.sleep(0.3)  # 4 tokens/s: one back
+        assert [m.id for m in client.models.list()] == ["m"]
+    finally:
+        server.should_exit = True
+        th.join(timeout=10)

@@ -350,6 +350,58 @@ def test_recorded_episode_keeps_each_context_the_client_kept_as_a_segment():
         recorded_episode(recs, "G")
 
 
+def test_a_recorded_episode_becomes_a_training_episode_the_trainer_collates():
+    """training_episode: a served episode the client truncated once (two contexts, the second under newer weights,
+    with a server-forced token) becomes the Episode rollouts produce: each segment exactly the recorded tokens, the
+    loss mask on the sampled ones, their logprobs and versions; PolicyClient.collate makes one row per segment."""
+    import torch
+
+    from rl.objective import AlgorithmSection
+    from rl.serve import RecordedChoice, recorded_episode, training_episode
+    from rl.trainer.client import PolicyClient
+    from rl.types import RolloutGroup, segments_of
+
+    def mk(rid, version, prompt, reused, cont, comp, lps, mask, ep="E"):
+        msg = {"role": "assistant", "content": None, "reasoning_content": None,
+               "tool_calls": [{"id": f"c-{rid}", "type": "function", "function": {"name": "read_log", "arguments": "{}"}}]}
+        return ServeRecord(id=rid, created=1.0, model="m", policy_version=version, request={"messages": [], "metadata": {"episode_id": ep}},
+                           prompt_token_ids=tuple(prompt), prompt_reused_tokens=reused, continues=cont,
+                           choices=(RecordedChoice(0, tuple(comp), tuple(lps), tuple(mask), "tool_calls", "t", msg),))
+    recs = [mk("a", 3, [11, 12, 13], 0, None, [21, 22], [-0.5, -0.25], [1, 1]),
+            mk("b", 3, [11, 12, 13, 21, 22, 14], 5, ("a", 0), [23, 24, 25], [-1.0, None, -0.125], [1, 0, 1]),  # 24 forced
+            mk("x", 3, [11, 12], 0, None, [9], [-2.0], [1], ep="F"),
+            mk("c", 4, [11, 12, 13, 30], 0, None, [31], [-0.75], [1]),  # the client kept the task and a summary
+            mk("d", 4, [11, 12, 13, 30, 31, 15], 5, ("c", 0), [32, 33], [-0.5, -1.5], [1, 1])]
+    ep = training_episode(recs, "E", 0.75, domain="terminal", group_id="g0")
+    rec = recorded_episode(recs, "E")
+    segs = segments_of(ep)
+    assert [s.token_ids for s in segs] == [r.token_ids for r in rec.segments]
+    assert segs[0].token_ids == (11, 12, 13, 21, 22, 14, 23, 24, 25) and segs[1].token_ids == (11, 12, 13, 30, 31, 15, 32, 33)
+    assert segs[0].loss_mask == (0, 0, 0, 1, 1, 0, 1, 0, 1) and segs[1].loss_mask == (0, 0, 0, 0, 1, 0, 1, 1)
+    assert segs[0].rollout_logprobs == (0, 0, 0, -0.5, -0.25, 0, -1.0, 0, -0.125)
+    assert segs[0].token_versions == (0, 0, 0, 3, 3, 0, 3, 0, 3) and segs[1].token_versions == (0, 0, 0, 0, 4, 0, 4, 4)
+    assert (ep.reward, ep.domain, ep.group_id, ep.task_id, ep.policy_version, ep.num_turns) == (0.75, "terminal", "g0", "E", 3, 4)
+    assert ep.metrics["segments"] == 2.0 and ep.metrics["policy_versions"] == 2.0
+    assert [m.tool_calls[0].id for m in ep.messages] == ["c-a", "c-b", "c-c", "c-d"]
+    other = training_episode(recs, "F", 0.0, group_id="g0")
+    assert other.segments == () and other.token_versions == () and other.policy_version == 3  # one version: none kept per token
+
+    policy = PolicyClient(None, AlgorithmSection(), reference="initial", run_dir="unused", pad_token_id=0, domains=["served", "terminal"])
+    batch = policy.collate([RolloutGroup(task_id="t", domain="terminal", episodes=(ep, other))])
+    assert batch.episode_ids_B.tolist() == [0, 0, 1] and batch.rewards_B.tolist() == [0.75, 0.75, 0.0]
+    for b, s in enumerate([*segs, *segments_of(other)]):
+        n = len(s.token_ids)
+        assert batch.input_ids_BT[b, :n].tolist() == list(s.token_ids) and int(batch.attention_mask_BT[b].sum()) == n
+        assert batch.loss_mask_BT[b, :n].tolist() == [0.0, *map(float, s.loss_mask[1:])]
+        assert torch.allclose(batch.rollout_logprobs_BT[b, :n], torch.tensor(s.rollout_logprobs) * batch.loss_mask_BT[b, :n])
+    assert batch.loss_weights_BT is not None and bool((batch.loss_weights_BT[batch.loss_mask_BT == 0] == 0).all())
+    for bad in (float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match="reward must be a finite number"):
+            training_episode(recs, "E", bad)
+    with pytest.raises(KeyError):
+        training_episode(recs, "G", 1.0)
+
+
 # ----------------------------------------------------------------------------- stream coalescing and abort
 class _FakeStreamEngine:
     """A stand-in for StreamingEngine's open_streams / abort surface, delivering from another thread like its stepper.
@@ -542,13 +594,13 @@ def test_every_serve_flag_sets_its_setting(monkeypatch):
             "--thinking-budgets", "low=8,max=100", "--default-tier", "low", "--max-n", "2", "--served-name", "a", "--served-name", "b",
             "--token-cache-entries", "7", "--cache-dir", "/tmp/x", "--max-body-bytes", "99", "--max-messages", "5",
             "--max-tokens-limit", "11", "--max-running", "3", "--max-queue", "0", "--chat-codec", "hf", "--tool-parser", "qwen3_coder",
-            "--reasoning-parser", "deepseek_r1", "--max-images", "2"]
+            "--reasoning-parser", "deepseek_r1", "--max-images", "2", "--rate-limit-per-s", "7.5", "--rate-limit-burst", "9"]
     s = from_args(p.parse_args(argv)).settings
     want = dict(max_model_len=512, dtype="bfloat16", kv_cache_gib=2.5, enforce_eager=False, seed=3,
                 thinking_budgets={"low": 8, "high": RolloutSection().thinking_budgets["high"], "max": 100}, default_tier="low", max_n=2,
                 served_names=("a", "b"), token_cache_entries=7, cache_dir="/tmp/x", max_body_bytes=99, max_messages=5,
                 max_tokens_limit=11, max_running=3, max_queue=0, chat_codec="hf", tool_parser="qwen3_coder", reasoning_parser="deepseek_r1",
-                max_images=2)
+                max_images=2, rate_limit_per_s=7.5, rate_limit_burst=9)
     assert set(want) == {f.name for f in fields(ServeSettings)}  # a new setting needs a flag (and a line here)
     assert {k: getattr(s, k) for k in want} == want
     assert from_args(p.parse_args(["m"])).settings == ServeSettings()
