@@ -122,8 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from rl.dryrun import dry_run
 
                 return dry_run(path, args.overrides, choice=_choice(args))
-            cfg = load_config(path, args.overrides)
-            from rl.config import to_dict
+            from rl.config import pull_models, to_dict
+
+            # start-up: pull a pullable model.arch / model.reference (and check its weights) before the run directory
+            # is decided, so config.json records the directory a resume compares against
+            cfg = pull_models(load_config(path, args.overrides))
             from rl.rundir import apply, decide
 
             decision = decide(to_dict(cfg), cfg.resolved_run_dir(), _choice(args), resume_enabled=cfg.trainer.resume)

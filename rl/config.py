@@ -1,12 +1,14 @@
 """The run configuration: one typed tree, loaded from YAML, overridden by dotted keys.
 
-Each section is a dataclass whose field defaults are the single source of defaults, and whose
-field comments document the meaning. `load_config(path, overrides)` validates everything before
-anything starts: an unknown key (with the nearest valid key suggested), a value of the wrong type,
-or a value outside its allowed set raises `ConfigError` naming the key, the bad value and what is
-allowed. This module starts nothing (it builds no model and runs no process); the one thing
-`load_config` fetches is a pullable model named by `model.arch` / `model.reference`, on first use
-(see `resolve_pullable`). Components read their own section.
+Each section is a dataclass declared by the component that reads it (model: rl/model_config.py, rollout:
+rl/rollout/config.py, envs: rl/tasks.py, algorithm: rl/objective.py, trainer: rl/trainer/config.py, eval:
+rl/eval_config.py, logging: rl/observe/config.py), whose field defaults are the single source of defaults,
+whose field comments document the meaning, and whose own checks live beside it. This module composes them
+into `RunConfig` (and re-exports them). `load_config(path, overrides)` validates everything before anything
+starts: an unknown key (with the nearest valid key suggested), a value of the wrong type, a value outside
+its allowed set, or a combination across sections that cannot run raises `ConfigError` naming the key, the
+bad value and what is allowed. This module starts nothing and pulls nothing: start-up pulls a pullable model
+named by `model.arch` / `model.reference` (`pull_models`, which checks the pulled weights again).
 """
 from __future__ import annotations
 
@@ -26,10 +28,15 @@ from jointrl.paths import REPO_ROOT, cache_root
 from rl.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here)
 from rl.rollout.tiers import TIERS  # light: the names of jointrl.records.ThinkingTier
 # Sections owned by their components, composed here (and re-exported: callers import them from here too).
+from rl.eval_config import EvalSection  # noqa: F401
+from rl.model_config import ModelSection  # noqa: F401
+from rl.model_config import check_chat_codec, check_family, check_names, check_reference, resolve_model_paths
+from rl.objective import AlgorithmSection  # noqa: F401
 from rl.observe.config import LoggingSection  # noqa: F401
 from rl.rollout.config import RolloutSection  # noqa: F401
 from rl.tasks import EnvsSection  # noqa: F401
 from rl.trainer.config import LoraSection, TrainerSection  # noqa: F401
+from rl.trainer.config import check_lora
 
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -49,80 +56,7 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-# ----------------------------------------------------------------------------- sections
-@dataclass
-class ModelSection:
-    """Which policy to train."""
-
-    # a shipped model config (configs/model/<name>.json: random weights), a pullable pretrained model by name
-    # (`jointrl models list`: pulled on first use, cached, then read from its directory), or a HF checkpoint dir
-    arch: str = "tiny"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # trainer dtype
-    seed: int = 0
-    router_aux_loss_coef: float = 0.001  # small during RL (public practice); always logged
-    router_z_loss_coef: float = 0.0
-    freeze_router_bias: bool = True  # aux-loss-free bias frozen during RL
-    routing_replay: Literal["auto", "r3", "r2", "off"] = "auto"  # auto: R3 if the engine reports routes, else R2
-    # The KL reference (read when algorithm.kl_coef > 0 or algorithm.kl_in_reward): "initial" freezes
-    # the policy as RL starts (after any SFT warm start; saved in the run dir, so resumes reuse it),
-    # or a path to a HF checkpoint dir of the same architecture.
-    reference: str = "initial"
-    # The chat codec (rl/rollout/codec): "jointrl" (model/chat.py's format), "hf" (the checkpoint's own
-    # chat_template, parsed by vLLM's parsers), or "auto": jointrl for a shipped shape or a checkpoint with
-    # the shipped tokenizer, hf for a checkpoint with a chat template of its own.
-    chat_codec: str = "auto"
-    # hf codec: vLLM's tool parser by its registered name (hermes, qwen3_coder, openai = harmony/gpt-oss,
-    # deepseek_v3, glm45, ...); hermes also reads the tool prompt given to templates without a tool section.
-    tool_parser: str = "hermes"
-    # hf codec: vLLM's reasoning parser by name (qwen3, deepseek_r1, openai_gptoss, ...); "" = the model has
-    # no reasoning format, and the thinking tiers only cap each turn's generated tokens.
-    reasoning_parser: str = ""
-
-
-@dataclass
-class AlgorithmSection:
-    """RL math choices; names refer to registries in rl/algos."""
-
-    # gae: PPO with a critic (a value head on its own copy of the policy, rl/trainer/critic.py)
-    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_pp"] = "grpo"
-    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = "ppo_clip"
-    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "domain_token_mean"] = "domain_token_mean"
-    group_size: int = 4  # G samples per task
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # DAPO clip-higher
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in_reward: bool = False  # subtract kl_coef x the episode's summed k1 KL to the reference from its reward
-    tis_cap: float = 2.0  # truncated importance sampling cap (rollout vs trainer logprobs); <=0 disables
-    # filter: drop groups whose rewards are all equal (DAPO); oversample: also roll out more tasks until
-    # trainer.tasks_per_step groups have signal, at most oversample_factor x tasks_per_step tasks in all
-    dynamic_sampling: Literal["off", "filter", "oversample"] = "filter"
-    oversample_factor: float = 2.0
-    gamma: float = 1.0  # gae, reinforce_pp: discount per generated token
-    lam: float = 0.95  # gae: GAE lambda (Schulman et al. 2016)
-    value_clip: float = 0.2  # gae: the critic's clipped value loss range; <= 0 = plain squared error
-    # whiten the advantages over the step batch before the loss ((A - mean) / std over generated tokens;
-    # rl/objective.py: loss_advantages). auto: on for gae (as verl and OpenRLHF do), off otherwise
-    whiten_advantages: Literal["auto", True, False] = "auto"
-
-
-@dataclass
-class EvalSection:
-    """Held-out evaluation before and after RL (and `jointrl eval`)."""
-
-    n_per_domain: int = 0  # held-out tasks per domain; 0 = max(2, trainer.tasks_per_step)
-    # Held-out episodes per evaluation arm over all domains, split across families, then domains
-    # (rl/eval_plan.py: one task per domain where it allows, then even per family, by weight inside one);
-    # for runs with hundreds of domains. 0 = off (eval.n_per_domain tasks in every domain).
-    budget_episodes: int = 0
-    samples: int = 1  # episodes per task; success/reward are means over all of them (pass@1 estimate)
-    temperature: float = 0.0  # 0 = greedy; with samples > 1 use the training temperature to measure the policy itself
-    seed: int = 12345
-    # After RL, also evaluate the third arm: the trainer state RL started from (saved after the SFT warm
-    # start), trained with SFT for as long as RL ran. Shows whether the gain is RL's or more supervision's.
-    sft_control: bool = False
-
-
+# ----------------------------------------------------------------------------- the run
 @dataclass
 class RunConfig:
     """The whole run. `run_dir` holds checkpoints, metrics and every cache (see rl.paths)."""
@@ -255,12 +189,11 @@ def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
     return f"config file {path}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}{shown}"
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                pull: bool = True) -> RunConfig:
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load a YAML run config (or the defaults) and apply `key.sub=value` overrides; validate all of it.
-    A pullable model (or a URL of exported weights) in `model.arch` / `model.reference` is pulled on first use
-    (a download, then cached: `resolve_pullable`); `pull=False` (a dry run) pulls nothing and keeps the name
-    of one not on this machine."""
+    It pulls nothing: a pullable model (or a URL of exported weights) in `model.arch` / `model.reference`
+    already on this machine reads as its directory, one not here keeps its name until start-up pulls it
+    (`pull_models`)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -280,46 +213,34 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             raise ConfigError(f"config override '{ov}' must look like key.sub=value")
         k, v = ov.split("=", 1)
         _set_dotted(data, k.strip(), _parse_scalar(v), dataclasses.asdict(RunConfig()))
-    cfg = _build(RunConfig, data, "")
-    cfg = resolve_pullable(cfg, pull=pull)
+    cfg = resolve_pullable(_build(RunConfig, data, ""), pull=False)
     validate(cfg)
     return cfg
 
 
-def _hub():
-    """model/hub.py's registry without the cost of importing the model package (torch, transformers: ~7 s)."""
-    from rl.models_cli import light_hub
-
-    return light_hub()
-
-
 def resolve_pullable(cfg: RunConfig, *, pull: bool = True) -> RunConfig:
-    """`model.arch` (and `model.reference`) read by the one model-argument resolver (rl/model_arg.py): a
-    pullable pretrained model (model/hub.py) or a URL of exported weights becomes its checkpoint directory,
-    pulled first if this machine has not pulled it yet (cached, file-locked, offline after the first pull),
-    and a run's checkpoint directory its `hf/`. Everything after this sees a directory, as if the user had
-    given one; a checkpoint directory or a shipped config name is kept as written."""
-    from rl.model_arg import ModelArgError, resolve_model
+    """`cfg` with `model.arch` and `model.reference` read as checkpoint directories (rl/model_config.py
+    `resolve_model_paths`): a pullable model or a URL of exported weights is pulled first (`pull=False`: only one
+    already here is read, else the name is kept), a run's checkpoint directory becomes its `hf/`."""
+    return dataclasses.replace(cfg, model=resolve_model_paths(cfg.model, pull=pull))
 
-    def resolved(key: str, value: str) -> str:
-        if key == "model.reference" and value == "initial":
-            return value
-        try:
-            arg = resolve_model(value, pull=pull, what=f"config key '{key}'")
-        except ModelArgError as e:
-            raise ConfigError(str(e)) from e
-        return value if arg.path is None or arg.path == Path(value) else str(arg.path)
 
-    model = dataclasses.replace(cfg.model, arch=resolved("model.arch", cfg.model.arch),
-                                reference=resolved("model.reference", cfg.model.reference))
-    return dataclasses.replace(cfg, model=model)
+def pull_models(cfg: RunConfig) -> RunConfig:
+    """Start-up's pull (rl/setup.py `start_run`, `jointrl train`): `resolve_pullable`, then, where a model was
+    pulled, the checks again on its weights (its family, its chat codec), so a pulled model that cannot run is
+    refused naming the key before anything starts. A no-op once both keys are directories."""
+    out = resolve_pullable(cfg, pull=True)
+    if out.model == cfg.model:
+        return cfg
+    validate(out)
+    return out
 
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that types alone cannot express."""
     _validate_gpu_paths(cfg)
-    _validate_chat_codec(cfg)
-    _validate_model_family(cfg)
+    check_chat_codec(cfg.model)
+    check_family(cfg.model)
     known = set(cfg.envs.env_ids)
     for d, w in cfg.envs.weights.items():
         if d not in known:
@@ -348,7 +269,6 @@ def validate(cfg: RunConfig) -> None:
         if tier not in TIERS:
             raise ConfigError(f"config key 'envs.default_tier.{d}': value {tier!r} is not allowed; allowed values: {allowed_tiers}")
     positive = {
-        "algorithm.group_size": cfg.algorithm.group_size,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer.tasks_per_step": cfg.trainer.tasks_per_step,
         "rollout.num_workers": cfg.rollout.num_workers,
@@ -357,7 +277,6 @@ def validate(cfg: RunConfig) -> None:
         "trainer.threads_per_rank": cfg.trainer.threads_per_rank,
         "rollout.threads_per_worker": cfg.rollout.threads_per_worker,
         "rollout.max_model_len": cfg.rollout.max_model_len,
-        "eval.samples": cfg.eval.samples,
     }
     for k, v in positive.items():
         if v <= 0:
@@ -367,11 +286,10 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"config key '{k}': value {v} must be >= 0")
     if cfg.envs.dump_temperature <= 0:
         raise ConfigError(f"config key 'envs.dump_temperature': value {cfg.envs.dump_temperature} must be > 0")
-    for k, v in {"eval.n_per_domain": cfg.eval.n_per_domain, "trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
+    for k, v in {"trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
                  "trainer.frozen_layers": cfg.trainer.frozen_layers,
                  "trainer.logprob_tile_tokens": cfg.trainer.logprob_tile_tokens,
-                 "trainer.max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
-                 "eval.temperature": cfg.eval.temperature}.items():
+                 "trainer.max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch}.items():
         if v < 0:
             raise ConfigError(f"config key '{k}': value {v} must be >= 0")
     if cfg.trainer.sft_data and not Path(cfg.trainer.sft_data).is_file():
@@ -380,20 +298,6 @@ def validate(cfg: RunConfig) -> None:
     if cfg.trainer.sft_data and cfg.trainer.sft_tasks_per_domain:
         raise ConfigError("config keys 'trainer.sft_data' and 'trainer.sft_tasks_per_domain': set one of them (the file "
                           f"decides its tasks); got {cfg.trainer.sft_data!r} and {cfg.trainer.sft_tasks_per_domain}")
-    if cfg.eval.budget_episodes < 0:
-        raise ConfigError(f"config key 'eval.budget_episodes': value {cfg.eval.budget_episodes} must be >= 0 (0 = off)")
-    if 0 < cfg.eval.budget_episodes < cfg.eval.samples:
-        raise ConfigError(f"config key 'eval.budget_episodes': value {cfg.eval.budget_episodes} is less than one task's "
-                          f"eval.samples={cfg.eval.samples} episodes; allowed: 0 (off) or >= eval.samples")
-    if cfg.eval.budget_episodes and cfg.eval.n_per_domain:
-        raise ConfigError("config keys 'eval.budget_episodes' and 'eval.n_per_domain': set one of them (the budget "
-                          f"decides tasks per domain itself); got {cfg.eval.budget_episodes} and {cfg.eval.n_per_domain}")
-    if cfg.eval.samples > 1 and cfg.eval.temperature == 0.0:
-        raise ConfigError("config key 'eval.samples': more than one sample per task needs eval.temperature > 0 "
-                          "(greedy samples are identical)")
-    if not (0.0 <= cfg.algorithm.gamma <= 1.0 and 0.0 <= cfg.algorithm.lam <= 1.0):
-        raise ConfigError(f"config keys 'algorithm.gamma' / 'algorithm.lam': {cfg.algorithm.gamma} / {cfg.algorithm.lam} "
-                          "must each be in [0, 1]")
     from jointrl.limits import MAX_IMAGES_PER_PROMPT
     from rl.rollout import codec
 
@@ -407,41 +311,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config key 'trainer.max_staleness': value {cfg.trainer.max_staleness} must be >= 1")
     if cfg.trainer.gpus_per_rank < 0:
         raise ConfigError(f"config key 'trainer.gpus_per_rank': value {cfg.trainer.gpus_per_rank} must be >= 0")
-    if cfg.algorithm.oversample_factor < 1.0:
-        raise ConfigError(f"config key 'algorithm.oversample_factor': value {cfg.algorithm.oversample_factor} must be >= 1")
-    if cfg.algorithm.kl_coef < 0:
-        raise ConfigError(f"config key 'algorithm.kl_coef': value {cfg.algorithm.kl_coef} must be >= 0")
-    if cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0:
-        raise ConfigError("config key 'algorithm.kl_in_reward': needs algorithm.kl_coef > 0 (the penalty's coefficient)")
-    _validate_model_names(cfg)
+    check_names(cfg.model)
     _validate_env_ids(cfg)
-    if cfg.model.reference != "initial" and not (Path(cfg.model.reference) / "config.json").is_file() \
-            and cfg.model.reference not in _hub().names():
-        raise ConfigError(f"config key 'model.reference': {cfg.model.reference!r} is neither 'initial' nor a checkpoint "
-                          "directory with config.json")
-    _validate_lora(cfg.trainer.lora, cfg.trainer.sync_transport)
+    check_reference(cfg.model)
+    check_lora(cfg.trainer.lora, cfg.trainer.sync_transport)
     if cfg.trainer.lr <= 0:
         raise ConfigError(f"config key 'trainer.lr': value {cfg.trainer.lr} must be > 0")
     for key, name in (("trainer.node_resource", cfg.trainer.node_resource), ("rollout.node_resource", cfg.rollout.node_resource)):
         problem = node_resource_problem(name)
         if problem:
             raise ConfigError(f"config key '{key}': {name!r} {problem}")
-
-
-def _validate_model_names(cfg: RunConfig) -> None:
-    """`model.arch` names a shipped shape (configs/model/<name>.json), a pullable model, a JSON model config or a
-    checkpoint directory: anything else is refused here, with the nearest name, before anything starts."""
-    arch = cfg.model.arch
-    shipped = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.json"))
-    pullable = list(_hub().names())
-    if arch in shipped or arch in pullable or (Path(arch) / "config.json").is_file() or \
-            (arch.endswith(".json") and Path(arch).is_file()):
-        return
-    near = difflib.get_close_matches(arch, shipped + pullable, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    raise ConfigError(f"config key 'model.arch': {arch!r} is not a model{hint} (allowed: a shipped shape "
-                      f"{', '.join(map(repr, shipped))}, a pullable model {', '.join(map(repr, pullable))} "
-                      "(`jointrl models list`), or a checkpoint directory with config.json)")
 
 
 def _validate_env_ids(cfg: RunConfig) -> None:
@@ -489,26 +368,6 @@ def node_resource_problem(name: str) -> str:
     return ""
 
 
-def _validate_model_family(cfg: RunConfig) -> None:
-    """A checkpoint directory in `model.arch` (or `model.reference`) must be of a family model/families.py
-    supports: refused by name here, before any engine or trainer starts."""
-    import json
-
-    for key, value in (("model.arch", cfg.model.arch), ("model.reference", cfg.model.reference)):
-        config_json = Path(value) / "config.json"
-        if not config_json.is_file():
-            continue  # a shipped config name (or 'initial'); checked where it is built
-        try:
-            hf_config = json.loads(config_json.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"config key '{key}': cannot read {config_json}: {e}") from e
-        from model.families import family_problem
-
-        problem = family_problem(hf_config.get("model_type"))
-        if problem:
-            raise ConfigError(f"config key '{key}': {value!r}: {problem}")
-
-
 def _validate_context(cfg: RunConfig) -> None:
     """rollout.context* and rollout.partial: registered strategy names, sizes that leave room for a turn."""
     from rl.rollout.context import strategy_names
@@ -526,63 +385,20 @@ def _validate_context(cfg: RunConfig) -> None:
                           f"{r.max_model_len}] (0: the default budget)")
     if r.context_keep_turns < 0:
         raise ConfigError(f"config key 'rollout.context_keep_turns': {r.context_keep_turns} must be >= 0")
-    if r.partial == "on" and r.step_token_budget <= 0:
-        raise ConfigError("config key 'rollout.step_token_budget': partial rollouts (rollout.partial: on) need a budget > 0 "
-                          f"(generated tokens per step), got {r.step_token_budget}")
     if r.step_token_budget < 0:
-        raise ConfigError(f"config key 'rollout.step_token_budget': {r.step_token_budget} must be >= 0")
-
-
-def _validate_chat_codec(cfg: RunConfig) -> None:
-    """`model.chat_codec` names a registered codec; the hf codec's parser names are vLLM-registered ones
-    (checked against vLLM's registries, which costs an import of vLLM's parsers, only for hf); the jointrl
-    codec parses its own format, so parser names other than the defaults would be dead there."""
-    from rl.rollout import codec
-
-    m = cfg.model
-    allowed = (codec.AUTO, *codec.codec_names())
-    if m.chat_codec not in allowed:
-        raise ConfigError(f"config key 'model.chat_codec': value {m.chat_codec!r} is not allowed; allowed values: "
-                          f"{', '.join(repr(a) for a in allowed)}")
-    if codec.resolve_codec_name(m.chat_codec, m.arch) != "hf":
-        defaults = ModelSection()
-        for key, value, default in (("tool_parser", m.tool_parser, defaults.tool_parser),
-                                    ("reasoning_parser", m.reasoning_parser, defaults.reasoning_parser)):
-            if value != default:
-                raise ConfigError(f"config key 'model.{key}': {value!r} is read only by the hf chat codec, and this run uses "
-                                  f"the jointrl codec (model.chat_codec={m.chat_codec!r}, model.arch={m.arch!r}); set "
-                                  "model.chat_codec=hf or drop the key")
-        return
-    for key, kind, value in (("tool_parser", "tool", m.tool_parser), ("reasoning_parser", "reasoning", m.reasoning_parser)):
-        if key == "reasoning_parser" and value == "":
-            continue
-        problem = codec.parser_name_problem(kind, value)
-        if problem:
-            raise ConfigError(f"config key 'model.{key}': {problem}")
-
-
-def _validate_lora(lora: LoraSection, sync_transport: str) -> None:
-    from rl.trainer.lora import LORA_TARGETS
-
-    if not 0 <= lora.rank <= 512:
-        raise ConfigError(f"config key 'trainer.lora.rank': value {lora.rank} is not allowed; allowed values: 0 (no LoRA) "
-                          "or 1..512 (vLLM's largest max_lora_rank)")
-    if lora.rank == 0:
-        return
-    if lora.alpha <= 0:
-        raise ConfigError(f"config key 'trainer.lora.alpha': value {lora.alpha} must be > 0")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"config key 'trainer.lora.dropout': value {lora.dropout} must be in [0, 1)")
-    bad = [t for t in lora.targets if t not in LORA_TARGETS]
-    if bad or not lora.targets or len(set(lora.targets)) != len(lora.targets):
-        raise ConfigError(f"config key 'trainer.lora.targets': {lora.targets!r} is not allowed; allowed values: a non-empty "
-                          f"list without repeats of {', '.join(repr(t) for t in LORA_TARGETS)}")
-    if sync_transport == "nccl":
-        raise ConfigError("config key 'trainer.lora.rank': LoRA is not supported with trainer.sync_transport=nccl "
-                          "(the NCCL path broadcasts full tensors); use 'auto', 'shm' or 'object_store'")
-    if "experts" in lora.targets and lora.dropout:
-        raise ConfigError("config key 'trainer.lora.dropout': must be 0 when trainer.lora.targets includes 'experts' "
-                          "(peft's wrapper for fused expert tensors has no dropout)")
+        raise ConfigError(f"config key 'rollout.step_token_budget': {r.step_token_budget} must be >= 0 (0 = off)")
+    seconds = r.step_time_budget_s or 0.0
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise ConfigError(f"config key 'rollout.step_time_budget_s': {r.step_time_budget_s} is not allowed; allowed values: "
+                          "null or 0 (off), or a finite number of seconds > 0")
+    if seconds > 0 and r.partial != "on":
+        raise ConfigError(f"config key 'rollout.step_time_budget_s': {seconds} is read only with rollout.partial: on "
+                          f"(got {r.partial!r}); set rollout.partial=on or leave the key at null / 0")
+    if r.partial == "on" and r.step_token_budget <= 0 and seconds <= 0:
+        raise ConfigError("config key 'rollout.step_token_budget': partial rollouts (rollout.partial: on) need a budget: "
+                          f"rollout.step_token_budget > 0 (generated tokens per step, got {r.step_token_budget}) or "
+                          f"rollout.step_time_budget_s > 0 (seconds of generation per step, got {r.step_time_budget_s}); "
+                          "with both, whichever is spent first ends the step's generation")
 
 
 def _whole_gpus(n: float) -> bool:
@@ -591,7 +407,7 @@ def _whole_gpus(n: float) -> bool:
 
 def _validate_gpu_paths(cfg: RunConfig) -> None:
     """GPU rollout, tensor parallelism and NCCL sync (nothing here needs a GPU to check; the start-up
-    refuses a cluster without the GPUs asked for, rl/runtime.py)."""
+    refuses a cluster without the GPUs asked for, rl/placement.py)."""
     r, t = cfg.rollout, cfg.trainer
     if r.gpus_per_worker < 0:
         raise ConfigError(f"config key 'rollout.gpus_per_worker': value {r.gpus_per_worker} must be >= 0")

@@ -51,7 +51,7 @@ def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") ->
     from rl.placement import describe_placement
 
     t0 = time.perf_counter()
-    cfg = load_config(path, overrides, pull=False)
+    cfg = load_config(path, overrides)  # pulls nothing; `pulls` below says what a run would
     problems: list[str] = []
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     print("# placement")

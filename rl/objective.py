@@ -12,6 +12,11 @@ Aggregation weights are computed once on the whole step batch by the driver (`lo
 and sliced with the micro-batch, so gradient accumulation gives exactly the whole-batch objective.
 `RLObjective` is a frozen dataclass (picklable for Ray) holding only names and coefficients.
 
+`AlgorithmSection`, the run config's `algorithm` section, is declared here once with every key's default and
+its own checks (`__post_init__`, each error naming the key); rl/config.py composes it into RunConfig, and
+`RLObjective` takes its defaults from it. The module imports torch and rl/algos only when a loss is computed,
+so reading a config stays light.
+
 `loss_advantages` is the step-batch part of the objective: it reads `algorithm.whiten_advantages` and
 whitens the estimator's advantages over the whole step batch before any micro-batch sees them ("auto":
 on for `gae`, as verl and OpenRLHF do for PPO; off for the group estimators, whose advantages are
@@ -20,15 +25,55 @@ already centred per group, and for `reinforce_pp`, which whitens by itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-import torch
+from rl.errors import ConfigError
+from rl.model_config import ModelSection
 
-from rl.algos import (ADVANTAGE_TRANSFORMS, PolicyLossInputs, PolicyLossParams, compute_policy_loss, kl_loss, router_losses,
-                      truncated_is_weights)
-from rl.config import AlgorithmSection, ModelSection
+if TYPE_CHECKING:
+    import torch
 
 WHITEN_SETTINGS = ("auto", True, False)
+
+
+@dataclass
+class AlgorithmSection:
+    """RL math choices; names refer to registries in rl/algos."""
+
+    # gae: PPO with a critic (a value head on its own copy of the policy, rl/trainer/critic.py)
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae", "reinforce_pp"] = "grpo"
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo"] = "ppo_clip"
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "domain_token_mean"] = "domain_token_mean"
+    group_size: int = 4  # G samples per task
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO clip-higher
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False  # subtract kl_coef x the episode's summed k1 KL to the reference from its reward
+    tis_cap: float = 2.0  # truncated importance sampling cap (rollout vs trainer logprobs); <=0 disables
+    # filter: drop groups whose rewards are all equal (DAPO); oversample: also roll out more tasks until
+    # trainer.tasks_per_step groups have signal, at most oversample_factor x tasks_per_step tasks in all
+    dynamic_sampling: Literal["off", "filter", "oversample"] = "filter"
+    oversample_factor: float = 2.0
+    gamma: float = 1.0  # gae, reinforce_pp: discount per generated token
+    lam: float = 0.95  # gae: GAE lambda (Schulman et al. 2016)
+    value_clip: float = 0.2  # gae: the critic's clipped value loss range; <= 0 = plain squared error
+    # whiten the advantages over the step batch before the loss ((A - mean) / std over generated tokens;
+    # rl/objective.py: loss_advantages). auto: on for gae (as verl and OpenRLHF do), off otherwise
+    whiten_advantages: Literal["auto", True, False] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.group_size <= 0:
+            raise ConfigError(f"config key 'algorithm.group_size': value {self.group_size} must be > 0")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ConfigError(f"config keys 'algorithm.gamma' / 'algorithm.lam': {self.gamma} / {self.lam} "
+                              "must each be in [0, 1]")
+        if self.oversample_factor < 1.0:
+            raise ConfigError(f"config key 'algorithm.oversample_factor': value {self.oversample_factor} must be >= 1")
+        if self.kl_coef < 0:
+            raise ConfigError(f"config key 'algorithm.kl_coef': value {self.kl_coef} must be >= 0")
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ConfigError("config key 'algorithm.kl_in_reward': needs algorithm.kl_coef > 0 (the penalty's coefficient)")
 
 
 def whitens(advantage: str, whiten_advantages: str | bool) -> bool:
@@ -44,6 +89,8 @@ def loss_advantages(advantages_BT: torch.Tensor, mask_BT: torch.Tensor, advantag
                     ) -> tuple[torch.Tensor, dict[str, float]]:
     """The advantages the loss sees: the estimator's, whitened over this (whole step) batch when `whitens`.
     Metrics: `adv/whitened` (0/1), and when whitened the mean and std that were removed."""
+    from rl.algos import ADVANTAGE_TRANSFORMS
+
     if not whitens(advantage, whiten_advantages):
         return advantages_BT, {"adv/whitened": 0.0}
     out_BT, metrics = ADVANTAGE_TRANSFORMS.get("whiten")(advantages_BT, mask_BT)
@@ -66,6 +113,8 @@ class RLObjective:
                  ) -> tuple[torch.Tensor, dict[str, float]]:
         """`token_mask_N`: the real tokens among the router logits' N rows when the forward did not run `mb`'s
         padded [B, T] layout (a shared-prefix packed forward, rl/trainer/packing.py); default: mb's attention mask."""
+        from rl.algos import PolicyLossInputs, PolicyLossParams, compute_policy_loss, kl_loss, router_losses, truncated_is_weights
+
         mask = mb.loss_mask_BT > 0
         old = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else logprobs_BT.detach()
         metrics: dict[str, float] = {}

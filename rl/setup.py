@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from rl.checkpoint import Checkpoints, DriverState
-from rl.config import NODE_RESOURCE_UNIT, LoraSection, ModelSection, RolloutSection, RunConfig, to_dict
+from rl.config import NODE_RESOURCE_UNIT, LoraSection, ModelSection, RolloutSection, RunConfig, pull_models, to_dict
 from rl.errors import ConfigError
 from rl.log import get_logger
 from rl.placement import ROLLOUT_CPUS, check_gpu_resources, check_node_resources, start_local_ray
@@ -135,7 +135,9 @@ def loop_settings_for(cfg: RunConfig, codec: Any, images: Any = None, temperatur
 
 
 def start_run(cfg: RunConfig, *, with_trainer: bool = True) -> RunParts:
-    """Everything a training run needs; `with_trainer=False` for evaluation (engines + envs only)."""
+    """Everything a training run needs; `with_trainer=False` for evaluation (engines + envs only). First, before
+    anything starts, a pullable `model.arch` / `model.reference` is pulled and its weights checked
+    (`pull_models`: a ConfigError naming the key; nothing to do once they are directories)."""
     import ray
 
     from rl.log import StartupStages
@@ -147,6 +149,7 @@ def start_run(cfg: RunConfig, *, with_trainer: bool = True) -> RunParts:
     from rl.sampler import DomainSampler
     from rl.tasks import TaskPools
 
+    cfg = pull_models(cfg)
     setup_cache_env(cfg.resolved_cache_dir())
     run_dir = cfg.resolved_run_dir()
     random.seed(cfg.envs.seed)
@@ -205,7 +208,8 @@ def start_run(cfg: RunConfig, *, with_trainer: bool = True) -> RunParts:
     r = cfg.rollout
     rollouts = Rollouts(engine, pools.make_env, codec, loop_settings_for(cfg, codec, images), group_size=cfg.algorithm.group_size,
                         seed=cfg.envs.seed, max_concurrent=r.max_concurrent_episodes, partial=r.partial == "on",
-                        step_token_budget=r.step_token_budget, think_ids=reasoning_token_ids(codec))
+                        step_token_budget=r.step_token_budget, step_time_budget_s=r.step_time_budget_s or 0.0,
+                        think_ids=reasoning_token_ids(codec))
     sink = MetricsSink(run_dir, wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                        run_name=cfg.name, config=to_dict(cfg), layout=layout_of(cfg.logging))
     sync = checkpoints = None

@@ -62,7 +62,9 @@ class RolloutSection:
     context_domains: dict[str, str] = field(default_factory=dict)  # domain -> strategy, overriding rollout.context
     context_budget_tokens: int = 0  # 0: max_model_len - max_new_tokens_per_turn (twice that for summarize)
     context_keep_turns: int = 0  # window: keep the most recent N turns; 0: the turns that fit half the budget
-    # Partial rollouts: a step stops generating once its episodes have generated step_token_budget tokens; the
-    # episodes still running pause and continue in the next step under the new weights (rl/rollout/partial.py).
+    # Partial rollouts: a step stops generating once its episodes have generated step_token_budget tokens or its
+    # generation has run step_time_budget_s seconds, whichever comes first; the episodes still running pause and
+    # continue in the next step under the new weights (rl/rollout/partial.py).
     partial: Literal["on", "off"] = "off"
-    step_token_budget: int = 0  # needed (> 0) with partial on
+    step_token_budget: int = 0  # 0 = off; with partial on, this or step_time_budget_s must be on
+    step_time_budget_s: float | None = None  # seconds of generation per step; 0 or null = off; read with partial on only

@@ -2,7 +2,8 @@
 
 Without them a step waits for its slowest episode: one episode ten times longer than the others holds the whole
 batch (and the trainer) for its length. With `rollout.partial: on`, each step gets a budget of generated tokens
-(`rollout.step_token_budget`, a `StepBudget`); once the step's episodes have generated that many, every episode
+(`rollout.step_token_budget`) and/or of wall time (`rollout.step_time_budget_s`), a `StepBudget`; once the step's
+episodes have generated that many tokens or the step has run that long, whichever comes first, every episode
 still running pauses at its next turn boundary (the request in flight finishes first, so a pause never splits a
 turn) and its state, environment included, is carried to the next step, where it continues under the weights
 the engine has then. Peers do the same: verl's `partial_rollout`, slime's `--partial-rollout`, AReaL's
@@ -59,10 +60,12 @@ class PartialStep:
 class PartialRollouts:
     """Carries paused episodes from one step to the next (one per training run). Not thread-safe."""
 
-    def __init__(self, step_token_budget: int) -> None:
-        if step_token_budget < 1:
-            raise ValueError(f"step_token_budget must be >= 1, got {step_token_budget}")
+    def __init__(self, step_token_budget: int = 0, step_time_budget_s: float = 0.0) -> None:
+        if step_token_budget < 0 or step_time_budget_s < 0 or not (step_token_budget > 0 or step_time_budget_s > 0):
+            raise ValueError("partial rollouts need step_token_budget >= 1 or step_time_budget_s > 0 (0 = off), got "
+                             f"{step_token_budget} and {step_time_budget_s}")
         self.step_token_budget = step_token_budget
+        self.step_time_budget_s = step_time_budget_s
         self.pending: list[_Group] = []
 
     @property
@@ -75,9 +78,9 @@ class PartialRollouts:
         """Continue the paused episodes and start G episodes of each new task, until the step's budget is spent.
         Returns the groups whose episodes have all finished (carried-over groups first, then new ones in order)."""
         codec = as_codec(codec, tok, end_token_id=settings.end_token_id, special_strings=settings.special_strings)
-        budget = StepBudget(self.step_token_budget)
-        sem = asyncio.Semaphore(max_concurrent)
         t0 = time.monotonic()
+        budget = StepBudget(tokens=self.step_token_budget, seconds=self.step_time_budget_s)  # the step's clock starts here
+        sem = asyncio.Semaphore(max_concurrent)
         carried = self.pending
         groups = carried + [_Group(task=t, episodes=[None] * group_size) for t in tasks]
         resumed = sum(isinstance(e, PausedEpisode) for g in carried for e in g.episodes)
@@ -122,7 +125,10 @@ class PartialRollouts:
             raise RuntimeError(f"all {len(finished)} episodes of the rollout errored; the first: {errored[0].grade_error}")
         metrics = {"rollout/partial_episodes": float(self.paused_episodes), "rollout/resumed_episodes": float(resumed),
                    "rollout/pending_groups": float(len(self.pending)), "rollout/step_tokens": float(budget.spent),
-                   "rollout/partial_wall_s": time.monotonic() - t0}
+                   "rollout/partial_wall_s": time.monotonic() - t0,
+                   # which budget ended the step's generation (both 0: every episode finished within both)
+                   "rollout/step_budget_tokens_hit": float(budget.hit == "tokens"),
+                   "rollout/step_budget_time_hit": float(budget.hit == "time")}
         return PartialStep(groups=[(g.task, [e for e in g.episodes if isinstance(e, Episode)]) for g in done], metrics=metrics)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from rl.types import Episode, RolloutGroup, RolloutStats
 
 class Rollouts:
     def __init__(self, engine: Any, make_env: Callable[[Task], Any], codec: Any, settings: Any, *, group_size: int,
-                 seed: int, max_concurrent: int, partial: bool = False, step_token_budget: int = 0,
+                 seed: int, max_concurrent: int, partial: bool = False, step_token_budget: int = 0, step_time_budget_s: float = 0.0,
                  think_ids: tuple[int, int] | None = None, policy_version: int = 0) -> None:
         self.engine = engine  # rl.rollout.dispatcher.RolloutDispatcher (or a stand-in with `generate`)
         self._make_env = make_env
@@ -33,6 +33,7 @@ class Rollouts:
         self.max_concurrent = max_concurrent
         self.partial = partial
         self.step_token_budget = step_token_budget
+        self.step_time_budget_s = step_time_budget_s
         self.think_ids = think_ids  # None: the format has no thinking block to count
         self.policy_version = policy_version
         self._partial: Any = None
@@ -58,12 +59,12 @@ class Rollouts:
 
     def run_partial(self, tasks: Sequence[Task], group_size: int, seed: int = 0):
         """One step of partial rollouts: ([(task, episodes)] of the groups that finished, metrics); the episodes
-        still running when rollout.step_token_budget is spent continue in the next call."""
+        still running when rollout.step_token_budget or rollout.step_time_budget_s is spent continue in the next call."""
         from rl.rollout.agent_loop import BatchingGenerator, ThreadedGenerate
         from rl.rollout.partial import PartialRollouts
 
         if self._partial is None:
-            self._partial = PartialRollouts(self.step_token_budget)
+            self._partial = PartialRollouts(self.step_token_budget, self.step_time_budget_s)
 
         async def go():
             async with ThreadedGenerate(self.engine.generate, self.max_concurrent) as generate_batch:
@@ -85,7 +86,7 @@ class Rollouts:
         G = self.group_size
         seed = rollout_seed(self.seed, step)
         partial_m: dict[str, float] = {}
-        if self.partial:  # a step bounded by rollout.step_token_budget (rl/rollout/partial.py)
+        if self.partial:  # a step bounded by rollout.step_token_budget / step_time_budget_s (rl/rollout/partial.py)
             done, partial_m = self.run_partial(tasks, G, seed=seed if draw == 0 else derive_seed(seed, draw))
             tasks, eps = [t for t, _ in done], [e for _, e in done]  # the groups that finished, carried-over ones first
         else:

@@ -1,4 +1,5 @@
-"""One context of an episode under construction (`SegmentBuilder`), and a step's generation budget (`StepBudget`).
+"""One context of an episode under construction (`SegmentBuilder`), and a step's generation budget (`StepBudget`:
+generated tokens, wall time, or both).
 
 A segment's token list only ever grows by appending: prompt and observation tokens with loss mask 0, the
 engine's generated tokens with loss mask 1, their logprobs and the policy version that generated them, and the
@@ -8,8 +9,9 @@ What this module does not do: render, generate or decide anything (the agent loo
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -20,19 +22,35 @@ from rl.types import Segment
 
 @dataclass
 class StepBudget:
-    """Generated tokens one training step may spend on rollouts (partial rollouts, `rollout.step_token_budget`).
-    Once `spent` reaches `tokens`, every episode of the step pauses at its next turn boundary."""
+    """What one training step may spend on rollouts (partial rollouts): `tokens` generated tokens
+    (`rollout.step_token_budget`) and `seconds` of wall time from the budget's creation
+    (`rollout.step_time_budget_s`); 0 turns either off, and at least one must be on. Once either is spent
+    (whichever comes first), every episode of the step pauses at its next turn boundary.
 
-    tokens: int
+    The clock is read at those boundaries only: a request in flight finishes, so a step overruns its time
+    budget by at most one turn of its slowest running episode."""
+
+    tokens: int = 0
+    seconds: float = 0.0
     spent: int = 0
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(init=False)
+    hit: str | None = field(default=None, init=False)  # the budget found spent first: "tokens" or "time"
 
     def __post_init__(self) -> None:
-        if self.tokens < 1:
-            raise ValueError(f"StepBudget.tokens must be >= 1, got {self.tokens}")
+        if self.tokens < 0 or self.seconds < 0 or not (self.tokens > 0 or self.seconds > 0):
+            raise ValueError(f"StepBudget needs tokens >= 1 or seconds > 0 (0 = that budget off), got tokens={self.tokens}, "
+                             f"seconds={self.seconds}")
+        self.started = self.clock()
 
     @property
     def exhausted(self) -> bool:
-        return self.spent >= self.tokens
+        if self.hit is None:
+            if self.tokens > 0 and self.spent >= self.tokens:
+                self.hit = "tokens"
+            elif self.seconds > 0 and self.clock() - self.started >= self.seconds:
+                self.hit = "time"
+        return self.hit is not None
 
 
 @dataclass

@@ -3,12 +3,14 @@ the optimizer, SFT and checkpoints, weight sync.
 
 Declared here, once, with every key's default; rl/config.py composes it into RunConfig (YAML, dotted
 overrides, coercion, cross-section checks). `TrainerSpec`, `CriticSpec` and `LoraSpec` take their defaults
-from these fields. Nothing here starts a trainer.
+from these fields. `check_lora` holds the `trainer.lora` checks. Nothing here starts a trainer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from rl.errors import ConfigError
 
 @dataclass
 class LoraSection:
@@ -86,3 +88,28 @@ class TrainerSection:
     # ranks (activations per rank / N; two all-to-alls per attention layer); trainer.num_workers / N groups split the
     # batch. Must divide trainer.num_workers; 1 = off.
     sequence_parallel_size: int = 1
+
+
+def check_lora(lora: LoraSection, sync_transport: str) -> None:
+    """`trainer.lora` against itself and the weight-sync transport (peft's and vLLM's limits), each error naming the key."""
+    from rl.trainer.lora import LORA_TARGETS
+
+    if not 0 <= lora.rank <= 512:
+        raise ConfigError(f"config key 'trainer.lora.rank': value {lora.rank} is not allowed; allowed values: 0 (no LoRA) "
+                          "or 1..512 (vLLM's largest max_lora_rank)")
+    if lora.rank == 0:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"config key 'trainer.lora.alpha': value {lora.alpha} must be > 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"config key 'trainer.lora.dropout': value {lora.dropout} must be in [0, 1)")
+    bad = [t for t in lora.targets if t not in LORA_TARGETS]
+    if bad or not lora.targets or len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError(f"config key 'trainer.lora.targets': {lora.targets!r} is not allowed; allowed values: a non-empty "
+                          f"list without repeats of {', '.join(repr(t) for t in LORA_TARGETS)}")
+    if sync_transport == "nccl":
+        raise ConfigError("config key 'trainer.lora.rank': LoRA is not supported with trainer.sync_transport=nccl "
+                          "(the NCCL path broadcasts full tensors); use 'auto', 'shm' or 'object_store'")
+    if "experts" in lora.targets and lora.dropout:
+        raise ConfigError("config key 'trainer.lora.dropout': must be 0 when trainer.lora.targets includes 'experts' "
+                          "(peft's wrapper for fused expert tensors has no dropout)")

@@ -32,11 +32,11 @@ def test_estimate_follows_the_measured_smollm2_moe_run():
     from rl.admission import estimate_run_memory
     from rl.config import load_config
 
-    cfg = load_config("configs/quickstart.yaml", pull=False)
+    cfg = load_config("configs/quickstart.yaml")
     need = estimate_run_memory(cfg)
     # docs/models.md: peak RSS engine 3.79 + trainer 8.29 (+ reference 3.53 with KL) GiB for this model
     assert 3.79 <= need.engine_gib < 5.0 and 8.29 <= need.trainer_gib < 9.5 and need.reference_gib == 0.0
-    with_kl = estimate_run_memory(load_config("configs/quickstart.yaml", ["algorithm.kl_coef=0.01"], pull=False))
+    with_kl = estimate_run_memory(load_config("configs/quickstart.yaml", ["algorithm.kl_coef=0.01"]))
     assert 3.53 <= with_kl.reference_gib < 4.5
 
 

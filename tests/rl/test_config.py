@@ -93,6 +93,29 @@ def test_model_arch_is_read_like_every_model_argument(tmp_path):
     assert resolve_pullable(cfg).model.reference == "initial"
 
 
+def test_load_config_pulls_nothing_and_start_up_checks_what_it_pulls(tmp_path):
+    """load_config leaves a pullable model that is not on this machine as its name (no download, no cache entry);
+    start-up's pull (`pull_models`) checks the weights it resolves, naming the key, before anything starts."""
+    code = ("import sys; import rl.config as c; assert 'torch' not in sys.modules, 'rl.config imports torch'; "
+            "print(c.load_config('configs/quickstart.yaml').model.arch)")
+    env = {**__import__("os").environ, "JOINTRL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "smollm2-135m-moe"
+    assert not (tmp_path / "cache" / "models").exists()
+    from dataclasses import replace
+
+    from rl.config import pull_models
+
+    run = tmp_path / "run" / "checkpoint"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text('{"model_type": "bert"}')
+    cfg = RunConfig()
+    assert pull_models(cfg) is cfg  # nothing to pull, nothing checked again
+    with pytest.raises(ConfigError, match="config key 'model.arch': .*model_type 'bert' is not a model family"):
+        pull_models(replace(cfg, model=replace(cfg.model, arch=str(run))))  # resolved to its hf/, then checked
+
+
 def test_shipped_configs_validate():
     for p in sorted((REPO / "configs").glob("*.yaml")):
         load_config(p)

@@ -141,6 +141,44 @@ def test_max_model_len_is_declared_once():
     assert len(hits) == 1 and hits[0].startswith("rl/rollout/config.py:"), hits
 
 
+# the run config's sections, each declared by the component that reads it (rl/config.py only composes them)
+OWNERS = {"model": "rl.model_config", "rollout": "rl.rollout.config", "envs": "rl.tasks", "algorithm": "rl.objective",
+          "trainer": "rl.trainer.config", "eval": "rl.eval_config", "logging": "rl.observe.config"}
+
+
+def test_each_section_is_declared_by_its_component():
+    from rl import config
+    from rl.config import RunConfig
+
+    cfg = RunConfig()
+    sections = {f.name: type(getattr(cfg, f.name)) for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    assert {n: c.__module__ for n, c in sections.items()} == OWNERS
+    for cls in sections.values():
+        assert getattr(config, cls.__name__) is cls  # re-exported: `from rl.config import EvalSection` keeps working
+    here = [n for n, obj in vars(config).items() if dataclasses.is_dataclass(obj) and obj.__module__ == "rl.config"]
+    assert here == ["RunConfig"], here
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("algorithm.group_size=0", "config key 'algorithm.group_size': value 0 must be > 0"),
+    ("algorithm.lam=1.5", "config keys 'algorithm.gamma' / 'algorithm.lam': 1.0 / 1.5 must each be in [0, 1]"),
+    ("algorithm.kl_in_reward=true", "config key 'algorithm.kl_in_reward': needs algorithm.kl_coef > 0"),
+    ("eval.samples=0", "config key 'eval.samples': value 0 must be > 0"),
+    ("eval.samples=2", "config key 'eval.samples': more than one sample per task needs eval.temperature > 0"),
+    ("eval.temperature=-1", "config key 'eval.temperature': value -1.0 must be >= 0"),
+    ("model.chat_codec=vllm", "config key 'model.chat_codec': value 'vllm' is not allowed"),
+    ("model.arch=tinyy", "config key 'model.arch': 'tinyy' is not a model; did you mean 'tiny'?"),
+    ("model.reference=nowhere", "config key 'model.reference': 'nowhere' is neither 'initial' nor a checkpoint"),
+])
+def test_moved_sections_check_their_keys(override, needle):
+    """The algorithm, eval and model sections' own checks, run where the section is declared, keep their messages."""
+    from rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    assert needle in str(ei.value), str(ei.value)
+
+
 def test_the_literal_check_can_fail():
     src = "class X:\n    a: int = 3\n    b: int = Section.b\n    c: dict = field(default_factory=lambda: {'x': 1})\n"
     tree = ast.parse(src).body[0].body

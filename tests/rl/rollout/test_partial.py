@@ -1,4 +1,4 @@
-"""Partial rollouts (rl/rollout/partial.py): a step ends when its token budget is spent, paused episodes continue in
+"""Partial rollouts (rl/rollout/partial.py): a step ends when its token or time budget is spent, paused episodes continue in
 a later step under newer weights, every token keeps the version that generated it, and the TIS weights of the
 update compare each token with that version's logprob.
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from rl.rollout.codec import make_codec
 from rl.rollout.context import ContextSettings
 from rl.rollout.engine import GenerateResult
 from rl.rollout.partial import PartialRollouts
+from rl.rollout.segments import StepBudget
 from rl.trainer.batch import collate
 from rl.types import Episode, RolloutGroup, segments_of
 from tests.rl.rollout.rollout_helpers import LONG_ENV as ENV
@@ -34,13 +36,16 @@ LP = {0: -0.5, 1: -0.1, 2: -0.3}  # the logprob every token gets under weights v
 class VersionedPolicy:
     """One TrailPolicy per episode (told apart by the task text in the prompt); logprobs from `LP[version]`."""
 
-    def __init__(self, codec, tasks):
+    def __init__(self, codec, tasks, delay_s: float = 0.0):
         self.codec = codec
         self.by_task = {t.prompt[1].content: TrailPolicy(codec, t) for t in tasks}
         self.version = 0
         self.requests = 0
+        self.delay_s = delay_s  # wall time of one engine call (a batch of waiting requests), as a real engine takes
 
     async def __call__(self, reqs):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         out = []
         for r in reqs:
             text = self.codec.tokenizer.decode(list(r.prompt_token_ids[:900]), skip_special_tokens=False)
@@ -128,6 +133,90 @@ def test_a_step_with_one_long_episode_ends_when_the_short_ones_are_done():
     assert long_turns >= 21
     # the step without partial waits for every turn of the long episode; with partial it stops a few turns past the short ones
     assert pol2.requests == 7 * 3 + long_turns and rounds_partial < 7 * 3 + 8
+
+
+def test_a_time_budget_ends_the_step_at_about_its_length_and_the_long_episode_goes_on_under_new_weights():
+    """rollout.step_time_budget_s alone (no token budget): seven 3-turn episodes and one of 21+ turns, on an engine
+    whose every call takes 0.1 s, so the step without a budget lasts >= 2.1 s (the long episode's calls one after
+    another). With a 0.6 s budget the step returns at about 0.6 s, the short groups trained and the long episode
+    paused; it finishes in later steps, its tokens from at least two policy versions, each with its own logprob."""
+    codec = make_codec("jointrl", None)
+    tasks = [dataclasses.replace(_task(i), limits=dataclasses.replace(_task(i).limits, max_turns=30 if i == 0 else 3))
+             for i in range(8)]
+    delay, seconds = 0.1, 0.6
+    long_turns = min(30, len(envs.make(ENV).reference(tasks[0])))
+    assert long_turns * delay >= 2.1  # what the step would take without a budget
+    pol = VersionedPolicy(codec, tasks, delay_s=delay)
+    pr = PartialRollouts(step_time_budget_s=seconds)
+    t0 = time.monotonic()
+    out = _step(pr, tasks, pol, codec, 0)
+    wall = time.monotonic() - t0
+    assert len(out.groups) == 7 and pr.paused_episodes == 1
+    assert out.metrics["rollout/step_budget_time_hit"] == 1.0 and out.metrics["rollout/step_budget_tokens_hit"] == 0.0
+    # at least the budget (episodes were still running), at most about one engine call past it (plus this shared
+    # machine's scheduling slack), and well short of the 2.1 s the long episode alone needs
+    assert seconds <= out.metrics["rollout/partial_wall_s"] <= wall < seconds + 0.6
+    first_calls = pol.requests
+    assert first_calls < 7 * 3 + long_turns
+    steps = [out]
+    for version in [1] + [2] * 10:  # LP's versions
+        steps.append(_step(pr, [], pol, codec, version))
+        if not pr.pending:
+            break
+    assert not pr.pending and 3 <= len(steps) <= 8  # ~6 engine calls a step for ~25 calls
+    (long_ep,) = [e for _, eps in steps[-1].groups for e in eps]
+    assert long_ep.reward == 1.0 and long_ep.task_id == tasks[0].id and long_ep.metrics["policy_versions"] >= 2
+    gen = [(v, lp) for s in segments_of(long_ep) for m, v, lp in zip(s.loss_mask, s.token_versions, s.rollout_logprobs) if m]
+    assert {0, 1} <= {v for v, _ in gen} and all(lp == pytest.approx(LP[v]) for v, lp in gen)
+
+
+def test_the_token_and_time_budgets_end_a_step_whichever_is_spent_first():
+    """StepBudget with both budgets (a clock under the test's control): the first one spent is the one reported,
+    and it stays the reason; 0 turns a budget off; with both off there is no budget at all."""
+    now = [100.0]
+    b = StepBudget(tokens=50, seconds=2.0, clock=lambda: now[0])
+    b.spent = 49
+    now[0] = 101.9
+    assert not b.exhausted and b.hit is None
+    now[0] = 102.0
+    assert b.exhausted and b.hit == "time"
+    b.spent = 50
+    assert b.hit == "time"
+    c = StepBudget(tokens=50, seconds=2.0, clock=lambda: now[0])
+    c.spent = 50
+    assert c.exhausted and c.hit == "tokens"
+    d = StepBudget(tokens=50, clock=lambda: now[0])  # time off
+    now[0] = 1e9
+    assert not d.exhausted
+    e = StepBudget(seconds=2.0, clock=lambda: now[0])  # tokens off
+    e.spent = 10**9
+    assert not e.exhausted
+    for bad in [dict(), dict(tokens=0, seconds=0.0), dict(tokens=-1, seconds=1.0), dict(tokens=5, seconds=-1.0)]:
+        with pytest.raises(ValueError, match="tokens >= 1 or seconds > 0"):
+            StepBudget(**bad)
+    with pytest.raises(ValueError, match="step_token_budget >= 1 or step_time_budget_s > 0"):
+        PartialRollouts()
+
+
+def test_step_time_budget_s_is_checked_before_anything_starts():
+    """rollout.step_time_budget_s: null or 0 is off; a positive number needs rollout.partial on; a partial run needs
+    one of the two budgets; the errors name the key and what is allowed."""
+    from rl.config import ConfigError, load_config
+
+    assert load_config(None, []).rollout.step_time_budget_s is None
+    cfg = load_config(None, ["rollout.partial=on", "rollout.step_time_budget_s=2.5"])
+    assert (cfg.rollout.step_time_budget_s, cfg.rollout.step_token_budget) == (2.5, 0)
+    assert load_config(None, ["rollout.partial=on", "rollout.step_time_budget_s=0", "rollout.step_token_budget=10"])
+    for overrides, needle in [
+        (["rollout.step_time_budget_s=3"], "'rollout.step_time_budget_s': 3.0 is read only with rollout.partial: on"),
+        (["rollout.partial=on", "rollout.step_time_budget_s=-1"], "'rollout.step_time_budget_s': -1.0 is not allowed; allowed values: null or 0"),
+        (["rollout.partial=on", "rollout.step_time_budget_s=.inf"], "'rollout.step_time_budget_s'"),
+        (["rollout.partial=on"], "rollout.step_token_budget > 0 (generated tokens per step, got 0) or rollout.step_time_budget_s > 0"),
+        (["rollout.partial=on", "rollout.step_time_budget_s=fast"], "'rollout.step_time_budget_s'"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        assert needle in str(err.value), (overrides, str(err.value))
 
 
 def test_config_keys_reach_the_loop_and_the_rollouts_roll_out_partially():
