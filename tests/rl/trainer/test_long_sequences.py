@@ -13,12 +13,12 @@ The router load-balance term is left out of the objective: it is a per-micro-bat
 micro-batches change it by design. Runs in a spawned process (torch.distributed is process-global)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
 
 from tests import REPO
+from tests.helpers.spawn import run_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -174,22 +174,8 @@ def _run(tmp: str) -> dict:
     return out
 
 
-def _target(tmp, q):
-    try:
-        q.put(_run(tmp))
-    except BaseException as e:  # pragma: no cover - reported by the parent
-        import traceback
-
-        q.put({"error": traceback.format_exc() + repr(e)})
-
-
 def test_long_sequence_knobs_leave_logprobs_routes_and_update_unchanged(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_target, args=(str(tmp_path), q))
-    p.start()
-    res = q.get(timeout=900)
-    p.join(60)
+    res = run_spawned(_run, str(tmp_path))
     assert "error" not in res, res.get("error")
     for model in ("mixtral", "hybrid", "critic"):
         for name, r in res[model].items():

@@ -6,12 +6,12 @@ so a shared prompt token counts once, by design.) HybridMoe (linear attention) c
 Runs in a spawned process (torch.distributed is process-global)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
 
 from tests import REPO
+from tests.helpers.spawn import run_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -121,22 +121,8 @@ def _run(tmp: str) -> dict:
     return res
 
 
-def _target(tmp, q):
-    try:
-        q.put(_run(tmp))
-    except BaseException as e:  # pragma: no cover - reported by the parent
-        import traceback
-
-        q.put({"error": traceback.format_exc() + repr(e)})
-
-
 def test_packed_trainer_equals_padded_trainer(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_target, args=(str(tmp_path), q))
-    p.start()
-    res = q.get(timeout=900)
-    p.join(60)
+    res = run_spawned(_run, str(tmp_path))
     assert "error" not in res, res.get("error")
     assert res["packs"] == (True, False)
     assert res["old"] < 1e-4 and res["ref"] < 1e-4, res
