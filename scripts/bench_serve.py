@@ -26,7 +26,10 @@ during the arm (a slow arm whose server CPU did not grow waited for a CPU other 
 replies by status class with their rate. Each body is sent once first and sorted by its answer: refused (4xx)
 or served (2xx: hostile content in a valid request, which runs like any request). `--hostile-sets` adds a
 mixed arm per set (`all`, `refused`, `accepted`) to each round; `--hostile-nice 19` runs the attacker at the
-lowest CPU priority, as an attacker on another host whose CPU is not the server's.
+lowest CPU priority, as an attacker on another host whose CPU is not the server's. The hostile clients connect
+from `--hostile-address` (default 127.0.0.2), so the server's per-client rate limit (`--rate-limit-per-s`,
+`--rate-limit-burst`: the server's settings, defaults as `jointrl serve`; 0 turns the limit off) sees them as a
+client of their own, as it would see a host other than the valid clients'.
 
     .venv/bin/python scripts/bench_serve.py --hostile 8 --hostile-rate 20 --concurrency 16 --loops 4 --reps 5 --hostile-sets all,refused,accepted
 """
@@ -144,7 +147,8 @@ def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
     return out
 
 
-async def _hostile_run(base: str, model: str, conc: int, stop_file: str, rate: float, which: list[int] | None = None) -> dict:
+async def _hostile_run(base: str, model: str, conc: int, stop_file: str, rate: float, which: list[int] | None = None,
+                       address: str | None = None) -> dict:
     """`conc` clients sending hostile requests until `stop_file` exists; `rate` > 0 paces them to that many
     requests per second in all, 0 sends without pause (a flood). `which`: indices into `hostile_bodies` (all: None)."""
     import httpx
@@ -169,7 +173,8 @@ async def _hostile_run(base: str, model: str, conc: int, stop_file: str, rate: f
                 cls = type(e).__name__
             by_class[cls] = by_class.get(cls, 0) + 1
 
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=conc + 2)) as c:
+    transport = httpx.AsyncHTTPTransport(local_address=address, limits=httpx.Limits(max_connections=conc + 2)) if address else None
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=conc + 2), transport=transport) as c:
         await asyncio.gather(*(worker(c, w) for w in range(conc)))
     by_class["per_s"] = round(sum(by_class.values()) / (time.perf_counter() - t_start), 1)
     return {"by_class": by_class, "cpu_s": time.process_time()}
@@ -254,6 +259,10 @@ def main() -> None:
                          "the server answers 4xx), accepted (only the hostile-content requests it serves: 2xx)")
     ap.add_argument("--hostile-nice", type=int, default=0,
                     help="niceness of the hostile clients' process (19: an attacker whose CPU is not this machine's, as from another host)")
+    ap.add_argument("--hostile-address", default="127.0.0.2",
+                    help="loopback address the hostile clients connect from (a client of their own for the rate limit; '': the default)")
+    ap.add_argument("--rate-limit-per-s", type=float, default=None, help="the server's rate_limit_per_s (default: jointrl serve's; 0: no limit)")
+    ap.add_argument("--rate-limit-burst", type=int, default=None, help="the server's rate_limit_burst (default: jointrl serve's)")
     ap.add_argument("--hostile-stop", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hostile-which", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -266,7 +275,8 @@ def main() -> None:
         ap.error(f"--hostile-sets takes a comma list of {list(HOSTILE_SETS)}, got {args.hostile_sets!r}")
     if args.hostile_stop:
         which = None if args.hostile_which is None else [int(i) for i in args.hostile_which.split(",")]
-        print(json.dumps(asyncio.run(_hostile_run(args.client, args.client_model, args.hostile, args.hostile_stop, args.hostile_rate, which))))
+        print(json.dumps(asyncio.run(_hostile_run(args.client, args.client_model, args.hostile, args.hostile_stop, args.hostile_rate, which,
+                                                  args.hostile_address or None))))
         return
     if args.client:
         out = asyncio.run(_client_run(args.client, args.route, args.client_model, args.client_conc, args.client_loops,
@@ -286,7 +296,8 @@ def main() -> None:
 
     setup_cache_env()
     model = args.model or str(build_test_checkpoint(Path(tempfile.gettempdir()) / "jointrl-bench-serve-ckpt"))
-    service = build_service(model, ServeSettings(max_model_len=1024), record_dir=None)
+    limit = {k: v for k, v in (("rate_limit_per_s", args.rate_limit_per_s), ("rate_limit_burst", args.rate_limit_burst)) if v is not None}
+    service = build_service(model, ServeSettings(max_model_len=1024, **limit), record_dir=None)
     port = 18000 + os.getpid() % 1000
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning", access_log=False))
     th = threading.Thread(target=server.run, daemon=True)
@@ -374,7 +385,9 @@ def _hostile_table(args: argparse.Namespace, sets: list[str], concs: list[int], 
     rounds. CPU seconds per arm: the server process (engine and HTTP), the valid clients' process, the hostile one."""
     which = _classify_hostile(base, name)
     print(f"hostile bodies: {len(which['all'])} ({len(which['refused'])} refused, {len(which['accepted'])} served: "
-          f"{[hostile_bodies(name)[i][0] for i in which['accepted']]}) | {os.cpu_count()} CPUs | load average {os.getloadavg()[0]:.1f}")
+          f"{[hostile_bodies(name)[i][0] for i in which['accepted']]}) | {os.cpu_count()} CPUs | load average {os.getloadavg()[0]:.1f} | "
+          f"rate limit {args.rate_limit_per_s if args.rate_limit_per_s is not None else 'default'}/s per client, "
+          f"hostile clients from {args.hostile_address or 'the default address'}")
     print(f"{'C':>4} {'arm':>16} | {'reqs':>4} | {'lat p50':>7} {'p99':>7} | {'p50/valid':>9} | valid errors | "
           f"{'CPU s: server':>13} {'valid':>5} {'hostile':>7} | hostile replies")
     for conc, n_loops in zip(concs, loops):
@@ -392,7 +405,8 @@ def _hostile_table(args: argparse.Namespace, sets: list[str], concs: list[int], 
                 stop = Path(tempfile.mkdtemp()) / "stop"
                 proc = subprocess.Popen([sys.executable, __file__, "--client", base, "--client-model", name, "--hostile", str(args.hostile),
                                          "--hostile-stop", str(stop), "--hostile-rate", str(args.hostile_rate),
-                                         "--hostile-which", ",".join(map(str, which[arm]))], stdout=subprocess.PIPE, text=True,
+                                         "--hostile-which", ",".join(map(str, which[arm])), "--hostile-address", args.hostile_address],
+                                        stdout=subprocess.PIPE, text=True,
                                         preexec_fn=(lambda: os.nice(args.hostile_nice)) if args.hostile_nice else None)
                 time.sleep(1.0)  # the attack is under way before the valid clients start
                 cpu0 = sum(os.times()[:2])
