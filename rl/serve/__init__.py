@@ -25,7 +25,7 @@ _WHERE = {
     "ServeCodec": "codec", "StreamFields": "codec", "build_codec": "codec",
     "ServeRecord": "records", "RecordedChoice": "records", "Recorder": "records", "read_records": "records",
     "recorded_sequence": "records", "RecordedSequence": "records", "RecordedImage": "records", "load_image": "records",
-    "recorded_episode": "records", "RecordedEpisode": "records",
+    "recorded_episode": "records", "RecordedEpisode": "records", "training_episode": "records",
     "StreamingEngine": "engine", "StreamDelta": "engine",
     "ChatService": "service", "Admission": "service", "Prepared": "service", "TextDelta": "service", "Finished": "service",
     "parse_chat_request": "openai", "completion_json": "openai", "stream_chunks": "openai", "message_json": "records",

@@ -17,9 +17,12 @@ What it does
   extends the earlier turns: that turn starts a new chain. Each chain is one segment (its tokens exactly what
   the engine was given and generated), oldest first, as `rl.types.Episode.segments` holds an agent loop's
   compacted contexts (rl/rollout/context.py).
+- `training_episode`: that episode, with a reward the caller supplies, as the `rl.types.Episode` rollouts produce
+  (one segment per context, the loss mask on exactly the sampled tokens, their logprobs, and the policy version of
+  each record's tokens), so a served conversation is trained like a rolled-out one (`rl.trainer.batch.collate`).
 
 What it does not do
-- No rewards: a record becomes an `rl.types.Episode` once a scaffold supplies one.
+- No rewards of its own: the scaffold that drove the conversation grades it and passes the reward in.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from jointrl.records import Message
-from rl.types import TokenImage
+from rl.types import Episode, Segment, TokenImage
 
 RECORD_VERSION = 1
 IMAGES_DIR = "images"  # under the record directory
@@ -281,3 +284,64 @@ def recorded_episode(records: Sequence[ServeRecord], episode_id: str, choice: in
     ends = [r for r in mine if (r.id, choice) not in continued]
     return RecordedEpisode(episode_id=episode_id,
                            segments=tuple(recorded_sequence(by_id, r.id, choice, record_dir) for r in ends))
+
+
+def _turns(by_id: Mapping[str, ServeRecord], seq: RecordedSequence, choice: int) -> list[tuple[ServeRecord, RecordedChoice]]:
+    """Each record of `seq`'s chain with the choice the chain goes through (the one the next record continues;
+    `choice` for the last)."""
+    out = []
+    for k, rid in enumerate(seq.record_ids):
+        rec = by_id[rid]
+        nxt = by_id[seq.record_ids[k + 1]].continues if k + 1 < len(seq.record_ids) else None
+        out.append((rec, rec.choices[choice if nxt is None else nxt[1]]))
+    return out
+
+
+def _token_versions(turns: Sequence[tuple[ServeRecord, RecordedChoice]], n_tokens: int) -> tuple[int, ...]:
+    """The policy version of each token of a chain: its record's `policy_version` on the tokens the policy sampled,
+    0 elsewhere (`rl.types.Segment.token_versions`'s layout)."""
+    versions: list[int] = []
+    for rec, ch in turns:
+        versions += [0] * (len(rec.prompt_token_ids) - len(versions))
+        versions += [rec.policy_version if m else 0 for m in ch.loss_mask]
+    if len(versions) != n_tokens:
+        raise ValueError(f"records {[r.id for r, _ in turns]}: {len(versions)} token versions for {n_tokens} tokens")
+    return tuple(versions)
+
+
+def training_episode(records: Sequence[ServeRecord], episode_id: str, reward: float, *, task_id: str | None = None,
+                     domain: str = "served", group_id: str | None = None, choice: int = 0,
+                     record_dir: str | os.PathLike[str] | None = None, terminated: bool = True,
+                     truncated: bool = False) -> Episode:
+    """The served episode `episode_id` (`recorded_episode`) as a training `rl.types.Episode` with `reward`.
+
+    Its segments are the recorded contexts, oldest first, token for token (the last one is the Episode's own
+    fields, as the agent loop leaves it): loss mask 1 exactly on the tokens the policy sampled, their engine
+    logprobs, the images with their spans. Each record's sampled tokens carry its `policy_version` (a request
+    that straddled a weight update records the later one); `token_versions` are kept where the episode's records
+    span more than one version, and `policy_version` is the oldest (staleness counts from it). `messages` are the
+    policy's replies in record order: the prompts are in the tokens, and the client's own messages stay in the
+    records in the protocol they came in. `task_id` and `group_id` default to the episode id; episodes that share a
+    `group_id` share a GRPO baseline. Routed experts are not recorded, so the trainer routes afresh (no R3)."""
+    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or reward != reward or abs(reward) == float("inf"):
+        raise ValueError(f"episode {episode_id!r}: reward must be a finite number, got {reward!r}")
+    by_id = {r.id: r for r in records}
+    recorded = recorded_episode(records, episode_id, choice, record_dir)
+    chains = [_turns(by_id, seq, choice) for seq in recorded.segments]
+    versions = [_token_versions(turns, len(seq.token_ids)) for turns, seq in zip(chains, recorded.segments)]
+    replies = [turn for turns in chains for turn in turns]
+    seen = {rec.policy_version for rec, _ in replies}
+    mixed = len(seen) > 1  # per-token versions are kept only when they differ, as the agent loop keeps them
+    segs = [Segment(token_ids=seq.token_ids, loss_mask=seq.loss_mask, rollout_logprobs=seq.logprobs, images=seq.images,
+                    token_versions=v if mixed else ()) for seq, v in zip(recorded.segments, versions)]
+    last = segs[-1]
+    metrics = {"segments": float(len(segs)), "compactions": float(len(segs) - 1),
+               "context_tokens_max": float(max(len(x.token_ids) for x in segs)), "policy_versions": float(len(seen)),
+               "parse_errors": float(sum(len(ch.parse_errors) for _, ch in replies)),
+               "capped_turns": float(sum(ch.finish_reason == "length" for _, ch in replies)),
+               "episode_error": 0.0, "grade_error": 0.0}
+    return Episode(task_id=task_id or episode_id, domain=domain, group_id=group_id or episode_id, token_ids=last.token_ids,
+                   loss_mask=last.loss_mask, rollout_logprobs=last.rollout_logprobs,
+                   messages=tuple(Message.from_openai({"role": "assistant", **ch.message}) for _, ch in replies), reward=float(reward), metrics=metrics,
+                   terminated=terminated, truncated=truncated, num_turns=len(replies), policy_version=min(seen),
+                   images=last.images, segments=tuple(segs[:-1]), token_versions=last.token_versions)
