@@ -779,6 +779,23 @@ def test_a_client_truncated_conversation_records_exact_segments(apps):
         assert seg.token_ids == rec.prompt_token_ids + rec.choices[0].completion_token_ids
         assert seg.loss_mask[-n:] == rec.choices[0].loss_mask
         assert [lp for lp, k in zip(seg.logprobs[-n:], seg.loss_mask[-n:]) if k] == [lp for lp in rec.choices[0].logprobs if lp is not None]
+    # With the reward its scaffold gives, the episode is the Episode rollouts produce, and the trainer's collate takes
+    # it: one row per segment, exactly the recorded tokens, trained on the sampled ones only.
+    from rl.objective import AlgorithmSection
+    from rl.serve import training_episode
+    from rl.trainer.client import PolicyClient
+    from rl.types import RolloutGroup, segments_of
+
+    trained = training_episode(recs, episode, 1.0, domain="terminal")
+    rows = segments_of(trained)
+    assert [(s.token_ids, s.loss_mask, s.rollout_logprobs) for s in rows] == [(g.token_ids, g.loss_mask, g.logprobs) for g in ep.segments]
+    assert trained.num_turns == len(ids) and trained.metrics["segments"] == len(ep.segments)
+    policy = PolicyClient(None, AlgorithmSection(), reference="initial", run_dir=apps["records"], pad_token_id=0, domains=["terminal"])
+    batch = policy.collate([RolloutGroup(task_id=episode, domain="terminal", episodes=(trained,))])
+    assert batch.num_seqs == len(rows) and batch.rewards_B.tolist() == [1.0] * len(rows)
+    for b, s in enumerate(rows):
+        assert batch.input_ids_BT[b, :len(s.token_ids)].tolist() == list(s.token_ids)
+        assert batch.loss_mask_BT[b, 1:len(s.token_ids)].tolist() == [float(m) for m in s.loss_mask[1:]]
 
 
 def test_strict_tool_schemas_a_grammar_cannot_take_never_break_the_engine(apps):
