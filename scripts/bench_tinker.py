@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,26 +27,14 @@ sys.path.insert(0, str(REPO))
 KEY = "tml-bench-key"
 
 
-def _start(ckpt: str, tmp: Path, max_len: int) -> tuple[subprocess.Popen, str]:
-    import httpx
+def _start(ckpt: str, tmp: Path, max_len: int):
+    from rl.tinker.launch import LaunchError, launch
 
-    from rl.jobs.server import free_port
-
-    port = free_port()
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "rl.tinker", "serve", ckpt, "--port", str(port), "--api-key", KEY,
-                             "--state-dir", str(tmp / "state"), "--max-model-len", str(max_len), "--kv-cache-gib", "0.5"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"})
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        if proc.poll() is not None:
-            raise SystemExit(f"the service exited: {(tmp / 'server.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise SystemExit("the service did not come up in 120 s")
+    try:
+        return launch(ckpt, state_dir=tmp / "state", log=tmp / "server.log", api_key=KEY, timeout_s=120,
+                      args=["--max-model-len", str(max_len), "--kv-cache-gib", "0.5"])
+    except LaunchError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main() -> int:
@@ -78,9 +65,9 @@ def main() -> int:
                             loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * a.tokens}) for s in seqs]
     prompt = seqs[0][:16]
     max_len = a.tokens + 64 + a.max_tokens
-    proc, url = _start(ckpt, tmp, max_len)
+    service = _start(ckpt, tmp, max_len)
     try:
-        sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+        sc = tinker.ServiceClient(base_url=service.url, api_key=KEY)
         tc = sc.create_lora_training_client(base_model=ckpt, rank=8).result()
         adam = types.AdamParams(learning_rate=1e-4)
 
@@ -108,8 +95,7 @@ def main() -> int:
         sdk_sa = [sdk_sample() for _ in range(a.rounds)]
         sc.close("success").result(timeout=30)  # ends the session (and its heartbeats) before the service stops
     finally:
-        proc.terminate()
-        proc.wait(60)
+        service.stop(60)
 
     from rl.rollout.engine import EngineConfig, GenerateRequest, RolloutEngine
     from rl.tinker.models import AdamStep, Datum, LoraRequest, TrainingModel, lora_targets

@@ -67,31 +67,17 @@ def _cookbook() -> None:
     sys.path.append(str(COOKBOOK_DIR))
 
 
-def _serve(ckpt: Path, tmp: Path, max_len: int) -> tuple[subprocess.Popen, str]:
-    import httpx
+def _serve(ckpt: Path, tmp: Path, max_len: int):
+    from rl.tinker.launch import LaunchError, launch
 
-    from rl.jobs.server import free_port
-
-    port = free_port()
-    jointrl = Path(sys.executable).parent / "jointrl"
-    cmd = [str(jointrl), "tinker", "serve", str(ckpt), "--port", str(port), "--api-key", KEY,
-           "--state-dir", str(tmp / "state"), "--max-model-len", str(max_len), "--kv-cache-gib", "0.25"]
-    print("service:", " ".join(cmd), flush=True)
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the service exited: {(tmp / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the service did not come up in 180 s")
+    jointrl = Path(sys.executable).parent / "jointrl"  # the installed command, as a user starts the service
+    try:
+        service = launch(ckpt, state_dir=tmp / "state", log=tmp / "server.log", api_key=KEY, program=[jointrl, "tinker"],
+                         args=["--max-model-len", str(max_len), "--kv-cache-gib", "0.25"], timeout_s=180)
+    except LaunchError as e:
+        raise SystemExit(str(e)) from None
+    print("service:", " ".join(service.cmd), flush=True)
+    return service
 
 
 def _run_recipe(url: str, ckpt: Path, log_path: Path, steps: int, batch_size: int, max_len: int) -> None:
@@ -188,7 +174,8 @@ def main() -> int:
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tinker_cookbook_"))
     tmp.mkdir(parents=True, exist_ok=True)
     ckpt = build_test_checkpoint(tmp / "ckpt")
-    proc, url = _serve(ckpt, tmp, max(args.max_length, 256 + args.max_tokens))
+    service = _serve(ckpt, tmp, max(args.max_length, 256 + args.max_tokens))
+    url = service.url
     t0 = time.time()
     ok = True
     try:
@@ -199,11 +186,7 @@ def main() -> int:
             _run_rl_recipe(url, ckpt, tmp / "rl_run", args.steps, args.rl_batch_size, args.max_tokens)
             ok &= _report("rl_basic", tmp / "rl_run", args.steps, RL_KEYS)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        service.stop(30)
     kept = f"; logs under {tmp}" if args.keep else ""
     print(f"{'OK' if ok else 'FAILED'}; recipes' wall time {time.time() - t0:.1f} s{kept}", flush=True)
     if not args.keep:

@@ -22,6 +22,7 @@ import json
 from typing import Any, Callable, Iterable, Sequence
 
 from rl.config import ConfigError
+from rl.http_io import BodyTooLarge, read_body
 
 JOBS_KEY_ENV = "JOINTRL_JOBS_API_KEY"  # the jobs server: accepted keys, comma-separated; a client: the key it sends
 POLICY_KEY_ENV = "JOINTRL_POLICY_API_KEY"  # the policy server's key (the jobs server makes a fresh one per start)
@@ -155,16 +156,11 @@ def _depth_ok_text(text: str, limit: int) -> bool:
 
 async def read_json(request: Any, limit: int, max_depth: int = MAX_DEPTH) -> Any:
     """The request's JSON body, bounded: BodyError 413 past `limit` bytes, 400 for bodies that do not decode."""
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isascii() and cl.isdigit() and len(cl) < 20 and int(cl) > limit:
-        raise BodyError(413, f"the body is larger than this server's limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyError(413, f"the body is larger than this server's limit of {limit} bytes")
-        chunks.append(chunk)
-    return parse_json(b"".join(chunks), max_depth)
+    try:
+        data = await read_body(request, limit)
+    except BodyTooLarge:
+        raise BodyError(413, f"the body is larger than this server's limit of {limit} bytes") from None
+    return parse_json(data, max_depth)
 
 
 def short(v: object, n: int = 80) -> str:

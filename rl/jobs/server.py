@@ -21,13 +21,13 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from rl.config import ConfigError
+from rl.http_io import free_port  # (scripts/bench_jobs.py imports it from here too)
 from rl.jobs.broker import Broker, die_with_parent, ensure_redis
 from rl.jobs.guard import LOOPBACK_HOSTS, POLICY_KEY_ENV, check_key
 from rl.jobs.records import JobsConfig
@@ -35,12 +35,6 @@ from rl.jobs.store import JobStore, open_store
 from rl.log import get_logger, setup_logging
 
 log = get_logger("jobs.server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def repair(store: JobStore, broker: Broker) -> int:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 from fastapi import Request  # module level: the routes' annotations are strings FastAPI resolves here
 
+from rl.http_io import BodyTooLarge, read_body
 from rl.log import get_logger
 from rl.serve.settings import key_in_headers
 from rl.tinker.records import (CreateModelBody, CreateSamplingBody, LoadWeightsBody, ModelBody, OptimStepBody,
@@ -65,14 +66,11 @@ class _Gate:
 
 
 async def _body(request: Any, limit: int) -> bytes:
-    """The request body, bounded while it streams in (a missing or lying content-length cannot pass the limit)."""
-    chunks, n = [], 0
-    async for c in request.stream():
-        n += len(c)
-        if n > limit:
-            raise TinkerError(413, f"request body over {limit} bytes")
-        chunks.append(c)
-    data = b"".join(chunks)
+    """The request body, bounded (rl/http_io.read_body), then zstd-decoded when the client compressed it."""
+    try:
+        data = await read_body(request, limit)
+    except BodyTooLarge:
+        raise TinkerError(413, f"request body over {limit} bytes") from None
     if request.headers.get("content-encoding", "").lower() == "zstd":
         import zstandard
 

@@ -14,9 +14,6 @@ process; torch.distributed is process-wide, so not in pytest's). Checked, in fil
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -25,7 +22,6 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests import REPO  # noqa: E402
 from tests.helpers.checkpoints import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -35,41 +31,18 @@ KEY = "tml-jointrl-test-key"
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import httpx
+    from rl.tinker.launch import launch
 
     ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("tinker_ckpt"), TinyModelSpec(kind="qwen3_moe"))
-    port = _port()
-    log = tmp_path_factory.mktemp("tinker_log") / "server.log"
-    cmd = [sys.executable, "-m", "rl.tinker", "serve", str(ckpt), "--port", str(port), "--api-key", KEY,
-           "--state-dir", str(tmp_path_factory.mktemp("tinker_state")), "--max-model-len", "256", "--max-batch-tokens", "600",
-           "--kv-cache-gib", "0.25"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TINKER_TELEMETRY": "0"})
-    url = f"http://127.0.0.1:{port}"
+    service = launch(ckpt, state_dir=tmp_path_factory.mktemp("tinker_state"), log=tmp_path_factory.mktemp("tinker_log") / "server.log",
+                     api_key=KEY, args=["--max-model-len", "256", "--max-batch-tokens", "600", "--kv-cache-gib", "0.25"],
+                     timeout_s=90)
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        yield url, str(ckpt)
+        yield service.url, str(ckpt)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        service.stop(30)
 
 
 @pytest.fixture(scope="module")
