@@ -8,6 +8,9 @@ batch's loss weights and totals, so N ranks compute the update one rank would on
 1e-5 for ZeRO 1, 2 and 3). Every rank runs the same number of micro-batches (padding ones add
 nothing), which ZeRO-3's collective gathers need. Rank 0 publishes weights and HF checkpoints.
 
+A placement the cluster cannot make within `PLACEMENT_TIMEOUT_S` fails with `TrainerPlacementError` naming the
+resources asked for and the cluster's (Ray itself would wait forever).
+
 What it does not do: restart a dead rank (a lost rank, or its node, fails the step with
 `TrainerLostError`; `jointrl train` again resumes the run from its last checkpoint), shard the KL
 reference (each rank holds a frozen copy), or pipeline/tensor parallelism. `TrainerResources.node_resource`
@@ -102,6 +105,33 @@ class RankProcess:
 _DEATH_WAIT_S = 10.0
 
 
+# How long the ranks' placement group may wait for its bundles. A cluster whose resources are there places it in
+# seconds; one that waits this long is short of them (or an autoscaler did not add a node in this time).
+PLACEMENT_TIMEOUT_S = 300.0
+
+
+class TrainerPlacementError(RuntimeError):
+    """The trainer ranks' bundles could not be placed on the cluster in time; the message says what was asked."""
+
+
+def placement_problem(bundles: Sequence[dict[str, float]], strategy: str, cluster: dict[str, float],
+                      available: dict[str, float], waited_s: float) -> str:
+    """Why the placement group of `bundles` did not place: each resource asked for in all against the cluster's
+    total and what is free now, the per-bundle size and the strategy, and the config keys that set them."""
+    asked: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            asked[k] = asked.get(k, 0.0) + v
+    rows = [f"{k} {v:g} (cluster {cluster.get(k, 0.0):g}, free {available.get(k, 0.0):g})" for k, v in asked.items()]
+    short = [k for k, v in asked.items() if v > cluster.get(k, 0.0) + 1e-9]
+    why = (f"the cluster has less {', '.join(short)} than asked in all" if short else
+           "the cluster has these resources in all, but not free, or not on the nodes the strategy needs "
+           f"({strategy}: {'all bundles on one node' if strategy == 'STRICT_PACK' else 'one bundle a node' if strategy == 'STRICT_SPREAD' else 'as few nodes as fit'})")
+    return (f"trainer ranks not placed in {waited_s:.0f} s: {len(bundles)} bundle(s) of {bundles[0] if bundles else {}}, "
+            f"strategy {strategy}; asked in all: {'; '.join(rows)}; {why}. Set by trainer.num_workers, trainer.cpus_per_rank, "
+            "trainer.gpus_per_rank and trainer.node_resource")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -127,15 +157,26 @@ class TrainerGroup:
     @classmethod
     def start(cls, model_dir: str, spec: Any, objective: Any, *, num_ranks: int = 1,
               resources: TrainerResources = TrainerResources(), env: dict[str, str] | None = None,
-              placement_strategy: str = "PACK", critic: Any = None) -> "TrainerGroup":
+              placement_strategy: str = "PACK", critic: Any = None,
+              placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> "TrainerGroup":
+        """Reserve the ranks' bundles (at most `placement_timeout_s` seconds, else `TrainerPlacementError` naming
+        what was asked and what the cluster has), start a worker in each and join them in one process group."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rl.trainer.actor import TrainerWorker
 
-        pg = placement_group([resources.bundle() for _ in range(num_ranks)], strategy=placement_strategy)
-        ray.get(pg.ready())
+        bundles = [resources.bundle() for _ in range(num_ranks)]
+        pg = placement_group(bundles, strategy=placement_strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=placement_timeout_s)
+        if not ready:  # Ray waits for a placement forever; say what could not be placed instead
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+            raise TrainerPlacementError(placement_problem(bundles, placement_strategy, ray.cluster_resources(),
+                                                          ray.available_resources(), placement_timeout_s))
+        ray.get(ready[0])
         # The rendezvous lives on rank 0's node: start rank 0 first and ask it for its address.
         actor = ray.remote(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_restarts=0)(TrainerWorker)
 
