@@ -1,8 +1,9 @@
 """Which verifiers environments become jointrl domains, and how: one `VerifiersEnvSpec` each.
 
-`SHIPPED` lists the environments this repository registers when the verifiers venv exists: the two
-loaders of `staros-stardata` (constrained poetry graded by deterministic prosody / Oulipo checks; the
-environment packages on the index that load offline). Another package adds its own with
+`SHIPPED` lists the environments this repository registers when the verifiers venv exists: the constraint
+gym of `staros-stardata` (constrained poetry graded by deterministic prosody / Oulipo checks; the
+environment package on the index that loads offline), and a lipogram environment kept in this package
+(`lipogram.py`: stardata's lipogram with a wider set of forbidden letters and a theme check). Another package adds its own with
 `envs.verifiers_adapter.register_environment(spec)` from its `jointrl.envs` entry point (docs/envs.md,
 "verifiers environments").
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from envs.verifiers_adapter.judge import LoaderRef
@@ -64,11 +66,11 @@ SHIPPED: tuple[VerifiersEnvSpec, ...] = (
                      constants=POEM_CONSTANTS, default_mix=False,
                      note="constant-answer prior 0.306: the text 'True False' scores 0.306 on the 7 held-out prompts "
                           "(the composite rubric gives partial credit to any short text)"),
-    # The rubric checks the forbidden letter and the poem's shape, never its theme, and the letter is always
-    # e, a or o: one fixed poem without those three letters solves every prompt.
-    VerifiersEnvSpec("vf-lipogram-v0", "stardata.envs.constraint_gym:load_lipogram_env", family="verifiers-poetry",
-                     description="verifiers: staros-stardata lipogram poems (forbidden e / a / o), hardened reward",
-                     heldout_kwargs={"holdout": True}, constants=POEM_CONSTANTS, default_mix=False,
-                     note="constant-answer prior 1.000: one fixed poem without e, a, o scores 1 on all 30 held-out "
-                          "prompts (the theme is never checked)"),
+    # stardata's own lipogram loader always forbids e, a or o and never reads the theme (one fixed poem without
+    # those letters scored 1.000 on every held-out prompt); lipogram.py draws the letter from 12 and asks for the
+    # theme's words, one theme per poem.
+    VerifiersEnvSpec("vf-lipogram-v0", f"{Path(__file__).with_name('lipogram.py')}:load_environment", family="verifiers-poetry",
+                     description="verifiers: lipogram poems on staros-stardata's themes (one of 12 forbidden letters, the "
+                                 "theme's words required, one theme per poem)",
+                     heldout_kwargs={"holdout": True}, constants=POEM_CONSTANTS),
 )

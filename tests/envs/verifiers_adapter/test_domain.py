@@ -37,9 +37,12 @@ def _episode(env_id: str, task: Task, turns: list[Message]):
 
 
 def _reference_reward(vf_python, func: str, completion: str, info: dict) -> float:
-    """stardata's own reward function, called in the verifiers venv without the adapter."""
-    code = ("import json, sys\nfrom stardata.envs import constraint_gym as cg\n"
-            f"print(json.dumps(cg.{func}(completion=[{{'role': 'assistant', 'content': sys.argv[1]}}], info=json.loads(sys.argv[2]))))")
+    """The environment's own reward function (stardata's constraint gym, or envs/verifiers_adapter/lipogram.py),
+    called in the verifiers venv without the adapter."""
+    lipogram_dir = Path(envs.__file__).parent / "verifiers_adapter"
+    code = (f"import json, sys\nsys.path.insert(0, {str(lipogram_dir)!r})\nfrom stardata.envs import constraint_gym\nimport lipogram\n"
+            f"f = getattr(constraint_gym, {func!r}, None) or getattr(lipogram, {func!r})\n"
+            f"print(json.dumps(f(completion=[{{'role': 'assistant', 'content': sys.argv[1]}}], info=json.loads(sys.argv[2]))))")
     r = subprocess.run([str(vf_python), "-c", code, completion, json.dumps(info)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-1000:]
     return float(r.stdout.strip().splitlines()[-1])
@@ -53,7 +56,7 @@ def test_rubric_terms_carry_verifiers_weights(vf_python):
     assert cls.text_ends_episode and not envs.make("vf-constraint-gym-v0").tool_schemas
 
 
-@pytest.mark.parametrize("env_id,func", [("vf-constraint-gym-v0", "prosody_reward"), ("vf-lipogram-v0", "lipogram_reward")])
+@pytest.mark.parametrize("env_id,func", [("vf-constraint-gym-v0", "prosody_reward"), ("vf-lipogram-v0", "themed_lipogram_reward")])
 def test_reward_equals_the_environments_own_function(vf_python, env_id, func):
     tasks = [Task.from_row(r) for r in envs.tasks(env_id, "heldout", seed=0, n=3)]
     for task, text in zip(tasks, [HAIKU, "no", "Slow, dark night\nwinds blow through old trunks\nmist curls on still ponds\nowls hold vigil"]):
