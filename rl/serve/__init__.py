@@ -6,7 +6,8 @@ Modules, by concern:
 - `codec`: the checkpoint's chat format (rl/rollout/codec, picked as training picks it) seen from serving:
   prompts, parsing, the stream split, tool-call forcing, defusing client text.
 - `engine`: `StreamingEngine`, the rollout engine plus incremental outputs and abort.
-- `service`: `ChatService` (streamed generation, tool_choice forcing, recording), admission, metrics.
+- `service`: `ChatService` (streamed generation, tool_choice forcing, recording).
+- `capacity`: `Admission` (the bounded queue in front of the engine, 429 past it) and `ServeMetrics` (Prometheus).
 - `records`: the token-level JSONL records and the readers that rebuild RL sequences from them.
 - `openai`, `anthropic`, `responses`: the wire protocols (chat completions, Messages, Responses).
 - `app`: the HTTP app, auth and body limits, model preparation, the entry points.
@@ -27,7 +28,7 @@ _WHERE = {
     "recorded_sequence": "records", "RecordedSequence": "records", "RecordedImage": "records", "load_image": "records",
     "recorded_episode": "records", "RecordedEpisode": "records", "training_episode": "records",
     "StreamingEngine": "engine", "StreamDelta": "engine",
-    "ChatService": "service", "Admission": "service", "Prepared": "service", "TextDelta": "service", "Finished": "service",
+    "ChatService": "service", "Admission": "capacity", "ServeMetrics": "capacity", "Prepared": "service", "TextDelta": "service", "Finished": "service",
     "parse_chat_request": "openai", "completion_json": "openai", "stream_chunks": "openai", "message_json": "records",
     "usage_json": "openai", "parse_message": "openai",
     "parse_messages_request": "anthropic", "nearest_tier": "anthropic",
