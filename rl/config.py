@@ -35,6 +35,7 @@ from rl.objective import AlgorithmSection  # noqa: F401
 from rl.observe.config import LoggingSection  # noqa: F401
 from rl.rollout.config import RolloutSection  # noqa: F401
 from rl.tasks import EnvsSection  # noqa: F401
+from rl.tasks import check_default_tiers, check_env_ids, check_sampler, check_weights
 from rl.trainer.config import LoraSection, TrainerSection  # noqa: F401
 from rl.trainer.config import check_lora
 
@@ -93,8 +94,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin in (Union, types.UnionType):
         errors = []
         for arm in get_args(tp):
-            if arm is type(None) and value is None:
-                return None
+            if arm is type(None):  # the null arm takes only null (other values fall through to the error below)
+                if value is None:
+                    return None
+                continue
             try:
                 return _coerce(key, value, arm)
             except ConfigError as e:
@@ -241,16 +244,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_gpu_paths(cfg)
     check_chat_codec(cfg.model)
     check_family(cfg.model)
-    known = set(cfg.envs.env_ids)
-    for d, w in cfg.envs.weights.items():
-        if d not in known:
-            near = difflib.get_close_matches(d, sorted(known), n=1)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            raise ConfigError(f"config key 'envs.weights.{d}': unknown domain '{d}'{hint} (known domains: {', '.join(sorted(known))})")
-        if w < 0:
-            raise ConfigError(f"config key 'envs.weights.{d}': weight {w} must be >= 0")
-    if cfg.envs.weights and sum(cfg.envs.weights.values()) <= 0:
-        raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
+    check_weights(cfg.envs)
     _validate_context(cfg)
     from rl.trainer.ulysses import run_config_problem  # trainer.sequence_parallel_size against the run
 
@@ -265,9 +259,7 @@ def validate(cfg: RunConfig) -> None:
     if missing:
         raise ConfigError(f"config key 'rollout.thinking_budgets': no budget for tier(s) {', '.join(repr(t) for t in missing)}; "
                           f"every tier needs one (tiers: {allowed_tiers}; -1 = no cap)")
-    for d, tier in cfg.envs.default_tier.items():
-        if tier not in TIERS:
-            raise ConfigError(f"config key 'envs.default_tier.{d}': value {tier!r} is not allowed; allowed values: {allowed_tiers}")
+    check_default_tiers(cfg.envs)
     positive = {
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer.tasks_per_step": cfg.trainer.tasks_per_step,
@@ -281,11 +273,7 @@ def validate(cfg: RunConfig) -> None:
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"config key '{k}': value {v} must be > 0")
-    for k, v in {"envs.dump_c": cfg.envs.dump_c, "envs.min_weight": cfg.envs.min_weight}.items():
-        if v < 0:
-            raise ConfigError(f"config key '{k}': value {v} must be >= 0")
-    if cfg.envs.dump_temperature <= 0:
-        raise ConfigError(f"config key 'envs.dump_temperature': value {cfg.envs.dump_temperature} must be > 0")
+    check_sampler(cfg.envs)
     for k, v in {"trainer.sft_tasks_per_domain": cfg.trainer.sft_tasks_per_domain,
                  "trainer.frozen_layers": cfg.trainer.frozen_layers,
                  "trainer.logprob_tile_tokens": cfg.trainer.logprob_tile_tokens,
@@ -312,7 +300,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.trainer.gpus_per_rank < 0:
         raise ConfigError(f"config key 'trainer.gpus_per_rank': value {cfg.trainer.gpus_per_rank} must be >= 0")
     check_names(cfg.model)
-    _validate_env_ids(cfg)
+    check_env_ids(cfg.envs)
     check_reference(cfg.model)
     check_lora(cfg.trainer.lora, cfg.trainer.sync_transport)
     if cfg.trainer.lr <= 0:
@@ -321,32 +309,6 @@ def validate(cfg: RunConfig) -> None:
         problem = node_resource_problem(name)
         if problem:
             raise ConfigError(f"config key '{key}': {name!r} {problem}")
-
-
-def _validate_env_ids(cfg: RunConfig) -> None:
-    """Every weighted domain's `envs.env_ids` entry is a registered environment (with the nearest id suggested)."""
-    import envs
-    from envs.registry import PLUGINS_ENV
-
-    if cfg.envs.plugins:
-        envs.load_plugins(cfg.envs.plugins)
-        failed = {k: v for k, v in envs.discovery_errors().items() if k.startswith("plugin:") and k[7:] in cfg.envs.plugins}
-        if failed:
-            raise ConfigError(f"config key 'envs.plugins': {'; '.join(f'{k[7:]}: {v}' for k, v in failed.items())}")
-        have = [p for p in os.environ.get(PLUGINS_ENV, "").split(os.pathsep) if p]
-        os.environ[PLUGINS_ENV] = os.pathsep.join(dict.fromkeys(have + [str(Path(p).resolve()) if p.endswith(".py") else p
-                                                                          for p in cfg.envs.plugins]))  # child processes too
-    known = [s.env_id for s in envs.list_envs()]
-    for d, w in cfg.envs.weights.items():
-        env_id = cfg.envs.env_ids.get(d)
-        if w <= 0 or env_id in known:
-            continue
-        near = difflib.get_close_matches(str(env_id), known, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        skipped = envs.discovery_errors()
-        why = f" (environments that failed to load: {', '.join(sorted(skipped))})" if skipped else ""
-        raise ConfigError(f"config key 'envs.env_ids.{d}': unknown environment id {env_id!r}{hint} (`jointrl envs list` "
-                          f"shows the {len(known)} registered ids){why}")
 
 
 # Resources Ray counts on every node: they cannot mark chosen nodes, and a NODE_RESOURCE_UNIT of them

@@ -227,3 +227,13 @@ def test_image_keys_are_checked_before_anything_starts():
         load_config(None, ["rollout.image_pixels=grey"])
     cfg = load_config(None, ["rollout.max_images_per_prompt=2", "rollout.image_pixels=blank"])
     assert (cfg.rollout.max_images_per_prompt, cfg.rollout.image_pixels) == (2, "blank")
+
+
+def test_an_optional_key_takes_its_type_or_null_and_nothing_else():
+    from rl.config import _coerce
+
+    assert _coerce("k", None, float | None) is None and _coerce("k", 2, float | None) == 2.0
+    with pytest.raises(ConfigError, match=r"config key 'k': value 'fast' does not match"):
+        _coerce("k", "fast", float | None)
+    with pytest.raises(ConfigError, match=r"config key 'rollout.step_time_budget_s': value 'fast' does not match"):
+        load_config(None, ["rollout.partial=on", "rollout.step_time_budget_s=fast"])
