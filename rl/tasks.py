@@ -1,8 +1,9 @@
 """The `envs` section of the run config, and the run's task pools: the train and held-out tasks of every weighted
 domain, and the environments they run in.
 
-`EnvsSection` is declared here, once, with its keys' defaults (rl/config.py composes it; the domain sampler,
-rl/sampler.py, takes its defaults from it).
+`EnvsSection` is declared here, once, with its keys' defaults and its checks (`check_*`, each error naming the key;
+`check_env_ids` imports the `envs.plugins` first); rl/config.py composes it and calls them; the domain sampler,
+rl/sampler.py, takes its defaults from it.
 
 `TaskPools.load(envs_section, prompt_views)` reads the `envs` section: each domain key of `envs.weights`
 with a weight above 0, its env id (`envs.env_ids`), its train split (RL and SFT) and held-out split
@@ -13,7 +14,10 @@ It does not sample tasks (rl/sampler.py), run episodes (rl/rollout/rollouts.py) 
 """
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from jointrl.records import Task
@@ -45,6 +49,62 @@ class EnvsSection:
     max_turns: int = 8
     seed: int = 0
 
+
+
+# ----------------------------------------------------------------------------- the section's checks
+def check_weights(e: EnvsSection) -> None:
+    """Every weighted domain is a key of `envs.env_ids` (with the nearest suggested); weights >= 0, one > 0."""
+    known = set(e.env_ids)
+    for d, w in e.weights.items():
+        if d not in known:
+            near = difflib.get_close_matches(d, sorted(known), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"config key 'envs.weights.{d}': unknown domain '{d}'{hint} (known domains: {', '.join(sorted(known))})")
+        if w < 0:
+            raise ConfigError(f"config key 'envs.weights.{d}': weight {w} must be >= 0")
+    if e.weights and sum(e.weights.values()) <= 0:
+        raise ConfigError("config key 'envs.weights': at least one domain needs a positive weight")
+
+
+def check_default_tiers(e: EnvsSection) -> None:
+    allowed_tiers = ", ".join(repr(t) for t in TIERS)
+    for d, tier in e.default_tier.items():
+        if tier not in TIERS:
+            raise ConfigError(f"config key 'envs.default_tier.{d}': value {tier!r} is not allowed; allowed values: {allowed_tiers}")
+
+
+def check_sampler(e: EnvsSection) -> None:
+    for k, v in {"envs.dump_c": e.dump_c, "envs.min_weight": e.min_weight}.items():
+        if v < 0:
+            raise ConfigError(f"config key '{k}': value {v} must be >= 0")
+    if e.dump_temperature <= 0:
+        raise ConfigError(f"config key 'envs.dump_temperature': value {e.dump_temperature} must be > 0")
+
+
+def check_env_ids(e: EnvsSection) -> None:
+    """Every weighted domain's `envs.env_ids` entry is a registered environment (with the nearest id suggested)."""
+    import envs
+    from envs.registry import PLUGINS_ENV
+
+    if e.plugins:
+        envs.load_plugins(e.plugins)
+        failed = {k: v for k, v in envs.discovery_errors().items() if k.startswith("plugin:") and k[7:] in e.plugins}
+        if failed:
+            raise ConfigError(f"config key 'envs.plugins': {'; '.join(f'{k[7:]}: {v}' for k, v in failed.items())}")
+        have = [p for p in os.environ.get(PLUGINS_ENV, "").split(os.pathsep) if p]
+        os.environ[PLUGINS_ENV] = os.pathsep.join(dict.fromkeys(have + [str(Path(p).resolve()) if p.endswith(".py") else p
+                                                                          for p in e.plugins]))  # child processes too
+    known = [s.env_id for s in envs.list_envs()]
+    for d, w in e.weights.items():
+        env_id = e.env_ids.get(d)
+        if w <= 0 or env_id in known:
+            continue
+        near = difflib.get_close_matches(str(env_id), known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        skipped = envs.discovery_errors()
+        why = f" (environments that failed to load: {', '.join(sorted(skipped))})" if skipped else ""
+        raise ConfigError(f"config key 'envs.env_ids.{d}': unknown environment id {env_id!r}{hint} (`jointrl envs list` "
+                          f"shows the {len(known)} registered ids){why}")
 
 
 @dataclass(frozen=True)

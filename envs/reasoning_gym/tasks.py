@@ -10,7 +10,10 @@ The private record holds the item as reasoning-gym made it (`entry`: question, a
 JSON text) and how the dataset was built (name, seed, size), which is what the judge needs to call
 `score_answer`; `reference` is the answer the scripted reference solution gives. An item whose reference
 answer the project's own grammar for that dataset refuses (`answers.reference_ok`: intermediate_integration
-states some references as an unevaluated `Integral(...)`) is skipped: it has no solution to learn.
+states some references as an unevaluated `Integral(...)`) is skipped: it has no solution to learn. In a
+dataset of `catalog.ANSWER_SHARE_CAP`, an item is skipped when its reference answer already holds
+1 + floor(cap x k) of the k tasks kept so far, so every prefix of the set (every `n`) keeps each answer within
+cap + 1/k of it (the one extra lets a set grow while only a few answers are common).
 
 Same tasks in every process: several generators iterate sets of strings (`list(self.letters - {...})` in
 ransom_note and isomorphic_strings, word sets in word_ladder, knight_swap's and polynomial_multiplication's
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from envs.reasoning_gym.answers import reference_ok
-from envs.reasoning_gym.catalog import DatasetInfo, by_env_id, reference_answer
+from envs.reasoning_gym.catalog import ANSWER_SHARE_CAP, DatasetInfo, by_env_id, reference_answer
 from jointrl.records import Limits, Message, Task
 
 HELDOUT_BUCKETS = 1  # of HASH_BUCKETS: the held-out share of the question-hash space
@@ -115,6 +118,8 @@ def build_tasks(info: DatasetInfo, split: str, seed: int, n: int | None) -> list
     if want == 0:
         return out
     ds, size = open_dataset(info.name, seed)
+    cap = ANSWER_SHARE_CAP.get(info.name)
+    answers: dict[str | None, int] = {}
     for idx in range(size):
         entry = _item(ds, idx)
         q = entry["question"]
@@ -123,6 +128,9 @@ def build_tasks(info: DatasetInfo, split: str, seed: int, n: int | None) -> list
         ref = reference_answer(entry)
         if ref is not None and not reference_ok(info.name, ref, entry):
             continue
+        if cap is not None and answers.get(ref, 0) >= 1 + int(cap * len(out)):
+            continue
+        answers[ref] = answers.get(ref, 0) + 1
         sha = question_sha(q)
         out.append(Task(
             id=f"{info.env_id}/{split}/s{seed}/{idx}", domain=info.env_id,

@@ -169,9 +169,13 @@ def test_each_section_is_declared_by_its_component():
     ("model.chat_codec=vllm", "config key 'model.chat_codec': value 'vllm' is not allowed"),
     ("model.arch=tinyy", "config key 'model.arch': 'tinyy' is not a model; did you mean 'tiny'?"),
     ("model.reference=nowhere", "config key 'model.reference': 'nowhere' is neither 'initial' nor a checkpoint"),
+    ("envs.default_tier.terminal=mid", "config key 'envs.default_tier.terminal': value 'mid' is not allowed; allowed values: 'low'"),
+    ("envs.dump_temperature=0", "config key 'envs.dump_temperature': value 0.0 must be > 0"),
+    ("envs.env_ids.terminal=terminl-v0", "config key 'envs.env_ids.terminal': unknown environment id 'terminl-v0'; did you mean"),
+    ("trainer.lora.rank=600", "config key 'trainer.lora.rank': value 600 is not allowed; allowed values: 0 (no LoRA) or 1..512"),
 ])
 def test_moved_sections_check_their_keys(override, needle):
-    """The algorithm, eval and model sections' own checks, run where the section is declared, keep their messages."""
+    """The algorithm, eval, model, envs and trainer.lora checks, run where their section is declared, keep their messages."""
     from rl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as ei:

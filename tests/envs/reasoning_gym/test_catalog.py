@@ -100,3 +100,21 @@ def test_tasks_do_not_depend_on_the_global_random_state():
     random.seed(5)
     build_tasks(info, "train", 0, 3)
     assert random.random() == before  # the caller's global state is restored
+
+
+@pytest.mark.parametrize("name", sorted(catalog.ANSWER_SHARE_CAP))
+def test_a_capped_answer_never_passes_its_share_at_any_prefix(name):
+    """The re-split rule, against its statement: among the first k tasks of either split, no reference answer
+    holds more than 1 + floor(cap x (k - 1)); the set still fills, and is a prefix of a longer one."""
+    from collections import Counter
+
+    cap = catalog.ANSWER_SHARE_CAP[name]
+    for split, n in (("heldout", 64), ("train", 96)):
+        ts = envs.generate_tasks(f"rg-{name}-v0", split, 0, n)
+        assert len(ts) == n
+        refs = [t.private["reference"] for t in ts]
+        for k in range(1, n + 1):
+            assert max(Counter(refs[:k]).values()) <= 1 + int(cap * (k - 1)), (split, k)
+        assert Counter(refs).most_common(1)[0][1] / n <= cap + 1 / n
+        assert [t.id for t in envs.generate_tasks(f"rg-{name}-v0", split, 0, n // 2)] == [t.id for t in ts[: n // 2]]
+    assert name not in catalog.PRIORS and envs.registry.spec(f"rg-{name}-v0").default_mix

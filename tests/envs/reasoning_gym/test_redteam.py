@@ -22,7 +22,7 @@ import envs  # noqa: E402
 from envs.base import ToolInvocation  # noqa: E402
 from envs.check import CONSTANT_LIMIT, best_constant  # noqa: E402
 from envs.play import ScriptedPolicy, run_episode  # noqa: E402
-from envs.reasoning_gym.catalog import datasets  # noqa: E402
+from envs.reasoning_gym.catalog import ANSWER_SHARE_CAP, datasets  # noqa: E402
 from envs.reasoning_gym.judge_worker import decode_entry  # noqa: E402
 from tests.envs.reasoning_gym.helpers import SLOW_GENERATORS, stratified_sample  # noqa: E402
 
@@ -123,7 +123,8 @@ def test_no_domain_pays_for_scope_lookups_or_solver_calls():
 CONSTANT_SAMPLE = [d for d in stratified_sample(8, skip=SLOW_GENERATORS)]  # 11 domains with the three above
 
 
-@pytest.mark.parametrize("name", ["coin_flip", "puzzle24", "countdown"] + [d.name for d in CONSTANT_SAMPLE])
+@pytest.mark.parametrize("name", ["coin_flip", "puzzle24", "countdown", *sorted(ANSWER_SHARE_CAP)]
+                         + [d.name for d in CONSTANT_SAMPLE if d.name not in ANSWER_SHARE_CAP])
 def test_best_constant_answer_is_below_the_limit_or_the_domain_is_marked(name):
     env_id = f"rg-{name}-v0"
     spec = envs.registry.spec(env_id)
