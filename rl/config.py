@@ -94,8 +94,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin in (Union, types.UnionType):
         errors = []
         for arm in get_args(tp):
-            if arm is type(None) and value is None:
-                return None
+            if arm is type(None):  # the null arm takes only null (other values fall through to the error below)
+                if value is None:
+                    return None
+                continue
             try:
                 return _coerce(key, value, arm)
             except ConfigError as e:
