@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping
 
 from jointrl.records import ThinkingTier as Tier
-from rl.config import ModelSection
+from rl.model_config import ModelSection
 from rl.rollout.config import RolloutSection, default_thinking_budgets
 from rl.rollout.tiers import TIERS, tier_budget
 # Effort names a request may send (`reasoning_effort`, `thinking_budget`, Responses `reasoning.effort`) -> tier.

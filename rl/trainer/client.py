@@ -20,7 +20,7 @@ from rl.log import get_logger
 from rl.types import Episode, RolloutGroup, SftStepResult, TrainResult
 
 if TYPE_CHECKING:
-    from rl.config import AlgorithmSection
+    from rl.objective import AlgorithmSection
 
 log = get_logger("trainer.client")
 

@@ -40,7 +40,8 @@ from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, micro_batc
 from rl.trainer.engine import deepspeed_config, load_policy
 from rl.trainer.packing import PrefixPack, pack_micro_batch, packed_values, packing_enabled
 from rl.trainer.tiled import head_inputs
-from rl.config import AlgorithmSection, ModelSection
+from rl.model_config import ModelSection
+from rl.objective import AlgorithmSection
 from rl.trainer.config import TrainerSection
 
 

@@ -34,7 +34,7 @@ from rl.trainer.lora import LoraSpec
 from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
                                 packing_enabled, unpack_routes)
 from rl.trainer.tiled import head_inputs, tiled_packed_logprobs, tiled_token_logprobs, tiling_refusal
-from rl.config import ModelSection
+from rl.model_config import ModelSection
 from rl.trainer.config import TrainerSection
 
 log = get_logger("trainer")
