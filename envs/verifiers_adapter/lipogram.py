@@ -25,6 +25,9 @@ text can meet more than a few prompts:
   collects (one word of every theme, one stray letter each: 0.215 on held-out prompts when it counted), so
   here a poem holding the letter scores 0, and surface scales the rest: 0.8 + 0.2 x surface.
 
+  A letter outside ASCII fails it too: stardata counts only the ASCII letter, so a Cyrillic "е" in place of
+  "e" would pass its check while reading as the forbidden letter.
+
 reward = lipogram_ok x (0.8 + 0.2 surface) x shape x theme_ok x focus, in [0, 1].
 
 So one fixed text pays on the prompts of at most one theme (focus), and only for letters it avoids while
@@ -99,7 +102,8 @@ def parts(text: str, info: dict) -> dict[str, float]:
     own = set(key_words(info["topic"]))
     hits = sum(names(present, w) for w in info["theme_words"])
     foreign = max((sum(names(present, w) for w in set(key_words(t)) - own) for t in TOPICS if t != info["topic"]), default=0)
-    return {"lipogram": 1.0 if rep.scores.get("lipogram", 0.0) >= 1.0 else 0.0, "surface": float(rep.scores.get("surface", 0.0)),
+    ascii_only = not any(c.isalpha() and not c.isascii() for c in text)
+    return {"lipogram": 1.0 if ascii_only and rep.scores.get("lipogram", 0.0) >= 1.0 else 0.0, "surface": float(rep.scores.get("surface", 0.0)),
             "shape": 1.0 if shape_ok else DEGENERATE, "theme": 1.0 if hits >= NEED else 0.0, "focus": 0.0 if foreign >= NEED else 1.0,
             "n_lines": float(len(lines)), "dict_words": float(len(set(in_dict)))}
 

@@ -6,7 +6,7 @@
 - The lipogram's constants and templates (envs/verifiers_adapter/lipogram.py): the poem without e, a, o that
   fitted every prompt of stardata's own loader, every theme's words in one text, two or one words of every
   held-out theme, one honest poem given to every prompt: each under the limit on the held-out prompts, most
-  at 0; honest poems on their own prompts score 1.
+  at 0; honest poems on their own prompts score 1, and 0 with the letter written as a look-alike.
 - Saying nothing: an empty reply, or a poem only in `reasoning`, scores 0 on every term.
 - Task sets are the same in processes with different `PYTHONHASHSEED`s.
 Skipped without the verifiers venv; starts bridges (slow, ~90 s)."""
@@ -81,6 +81,10 @@ def test_the_lipogram_pays_honest_poems_and_no_constant_or_template(vf_python):
     by_prompt = {(i["topic"], i["letter"]): t for i, t in zip(info, held)}
     for key, poem in HONEST.items():
         assert _grade("vf-lipogram-v0", by_prompt[key], Message(role="assistant", content=poem)).reward == 1.0, key
+    # the forbidden letter written as a look-alike (Cyrillic е for e) is the letter
+    kitchen = by_prompt[("the glow of a midnight kitchen", "e")]
+    lookalike = HONEST[("the glow of a midnight kitchen", "e")].replace("small", "smеll").replace("stool", "stооl")
+    assert _grade("vf-lipogram-v0", kitchen, Message(role="assistant", content=lookalike)).reward == 0.0
     themes = sorted({i["topic"] for i in info})
     every_theme = sorted({w for t in themes + sorted({json.loads(t.private["info"])["topic"] for t in train}) for w in key_words(t)})
     attacks = {
