@@ -308,6 +308,7 @@ def test_expensive_files_queued_first_do_not_starve_an_honest_grade():
         for th in threads:
             th.start()
         time.sleep(0.5)  # every expensive file is queued or running before the honest one arrives
+        served_before = len(pool.served)  # requests that took a worker before the honest one was sent
         honest_thread = threading.Thread(target=grade, args=("honest", honest))
         honest_thread.start()
         for th in threads + [honest_thread]:
@@ -327,9 +328,12 @@ def test_expensive_files_queued_first_do_not_starve_an_honest_grade():
             assert not isinstance(r, Exception), (key, r)
             assert (r.valid and r.comparison.score == 0.0) or (not r.valid and r.code == "cost"), (key, r)
         assert sorted(pool.pids()) == pids
-        # Served cheapest first: the honest file took a worker before the expensive files still waiting.
+        # Served cheapest first: the honest file took the next free worker, ahead of the expensive files still
+        # waiting (one more may have taken a worker between the count above and the honest request's arrival;
+        # on a loaded machine a worker can free up within the 0.5 s above, so the count is read, not assumed).
         order = [cost for op, cost in pool.served[-(n + 1):]]
-        assert min(order) in order[:3], order
+        honest_at = len(order) - 1 - order[::-1].index(min(order))
+        assert honest_at <= served_before - (len(pool.served) - len(order)) + 1, (order, served_before)
     finally:
         pool.close()
 
