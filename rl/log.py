@@ -170,7 +170,8 @@ def setup_logging(level: str = "INFO", run_dir: str | os.PathLike[str] | None = 
             root.setLevel(logging.INFO)
         cfg_path = log_dir / "engine_logging.json"
         cfg_path.write_text(json.dumps(engine_logging_config(log_dir, level), indent=1))
-        if not os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("JOINTRL_ENGINE_LOGGING") == str(cfg_path):
+        current = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+        if not current or current == os.environ.get("JOINTRL_ENGINE_LOGGING"):  # unset, or set by an earlier run here
             os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(cfg_path)  # the rollout workers get VLLM_* variables
             os.environ["JOINTRL_ENGINE_LOGGING"] = str(cfg_path)  # ours to replace on the next run in this process
     return logger

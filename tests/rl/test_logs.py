@@ -125,3 +125,16 @@ def test_ray_logs_link_survives_a_copied_run_directory(tmp_path, monkeypatch):
     (run / "logs" / "ray").unlink()
     (run / "logs" / "ray").mkdir()  # what a copy with followed links holds
     assert link_ray_logs(run) == own and (run / "logs" / "ray").is_dir() and not (run / "logs" / "ray").is_symlink()
+
+
+def test_a_second_run_in_one_process_points_the_engines_at_its_own_logs(tmp_path, monkeypatch):
+    from rl.log import setup_logging
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("JOINTRL_ENGINE_LOGGING", raising=False)
+    setup_logging("INFO", tmp_path / "a")
+    setup_logging("INFO", tmp_path / "b")
+    assert os.environ["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "b" / "logs" / "engine_logging.json")
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/somewhere/a/person/chose.json")  # set by hand: kept
+    setup_logging("INFO", tmp_path / "c")
+    assert os.environ["VLLM_LOGGING_CONFIG_PATH"] == "/somewhere/a/person/chose.json"
