@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rl.http_io import free_port  # noqa: E402 - after the path set-up
 
 
 def _build(kind: str, out: str) -> str:
@@ -75,16 +76,10 @@ def _rank(rank: int, world: int, port: int, init: str, length: int, vocab: int, 
         q.put((rank, {"error": traceback.format_exc() + repr(e)}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, init: str, length: int, vocab: int, threads: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, init, length, vocab, threads, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -6,9 +6,10 @@ What it does not do: build the engines or step them (rl/trainer/policy.py, rl/tr
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
+
+from rl.http_io import free_port
 
 
 def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
@@ -27,12 +28,6 @@ def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, d
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
     """Bring up torch.distributed the way DeepSpeed expects, without a launcher (docs/platform.md)."""
     import deepspeed
@@ -44,7 +39,7 @@ def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127
     os.environ.setdefault("LOCAL_RANK", "0" if not torch.cuda.is_available() else str(rank % max(1, torch.cuda.device_count())))
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port or _free_port()))
+    os.environ.setdefault("MASTER_PORT", str(master_port or free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend)
 

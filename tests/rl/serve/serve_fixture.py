@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ import openai
 import pytest
 
 from model import chat
+from rl.http_io import free_port  # noqa: F401 - the serve tests take it from here
 from rl.serve import read_records
 
 from tests import REPO
+
 STARTUP_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

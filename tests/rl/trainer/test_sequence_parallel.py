@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 
+from rl.http_io import free_port
 from tests import REPO
 
 
@@ -77,19 +77,13 @@ def _rank(rank: int, world: int, port: int, tmp: str, q) -> None:
         q.put(((world, rank), {"error": traceback.format_exc() + repr(e)}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worlds(worlds: tuple[int, ...], tmp: str) -> list[list[dict]]:
     """Each world's ranks' results (rank order), the worlds run at the same time."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []
     for w in worlds:
-        port = _free_port()
+        port = free_port()
         procs += [ctx.Process(target=_rank, args=(r, w, port, tmp, q)) for r in range(w)]
     for p in procs:
         p.start()
