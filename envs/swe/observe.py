@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from envs.swe import blind
 from envs.swe import libraries as L
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ _LITERAL_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.Unar
 _CMP = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Is: "is",
         ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
 # Bumped when the transform or the record format changes: cached references are keyed by it.
-OBSERVE_VERSION = "2"
+OBSERVE_VERSION = "3"
 # Reference runs merged per library: what differs between them is masked (object addresses differ
 # in every run; the worker seeds `random` per test, so nothing else is expected to).
 REFERENCE_RUNS = 3
@@ -104,33 +105,48 @@ class _Rewriter(ast.NodeTransformer):
         return self.generic_visit(node)
 
 
-def transform_tests(source: str) -> str | None:
-    """The test module with assertions turned into observations (None: leave the file as it is)."""
+def _observed(source: str) -> ast.Module | None:
     try:
-        tree = ast.parse(source)
+        return ast.fix_missing_locations(_Rewriter().visit(ast.parse(source)))
     except (SyntaxError, ValueError, RecursionError):
         return None
+
+
+def transform_modules(sources: Mapping[str, str]) -> dict[str, str]:
+    """Test modules (path -> source) with assertions turned into observations and blinded together
+    (blind.py: what they compute only to compare with is removed); a module that does not parse is
+    left out (it is left as it is: it cannot run either)."""
+    trees = {p: t for p, src in sources.items() if (t := _observed(src)) is not None}
     try:
-        new = ast.fix_missing_locations(_Rewriter().visit(tree))
-        return ast.unparse(new) + "\n"
-    except RecursionError:
-        return None
+        blind.blind(trees)
+    except RecursionError:  # too deep to analyse: literal operands only are dropped
+        trees = {p: t for p, src in sources.items() if (t := _observed(src)) is not None}
+    out = {}
+    for p, t in trees.items():
+        try:
+            out[p] = ast.unparse(t) + "\n"
+        except RecursionError:
+            pass
+    return out
 
 
-@functools.lru_cache(maxsize=256)  # the test files are the release's, the same in every grading of a library
-def _transformed(data: bytes) -> bytes | None:
-    text = transform_tests(data.decode("utf-8", "replace"))
-    return None if text is None else text.encode("utf-8")
+def transform_tests(source: str) -> str | None:
+    """One test module transformed on its own (None: leave the file as it is)."""
+    return transform_modules({"test_module.py": source}).get("test_module.py")
+
+
+@functools.lru_cache(maxsize=16)  # the test files are the release's, the same in every grading of a library
+def _transformed(files: tuple[tuple[str, bytes], ...]) -> tuple[tuple[str, bytes], ...]:
+    got = transform_modules({p: b.decode("utf-8", "replace") for p, b in files})
+    return tuple((p, t.encode("utf-8")) for p, t in sorted(got.items()))
 
 
 def transform_tree(lib: L.Library, tree: Mapping[str, bytes]) -> dict[str, bytes]:
-    """`tree` with every `.py` file under the library's test directories transformed."""
+    """`tree` with every `.py` file under the library's test directories transformed (together:
+    helpers shared between test modules are followed)."""
     out = dict(tree)
-    for path in L.test_files(lib, dict(tree)):
-        if path.endswith(".py"):
-            data = _transformed(tree[path])
-            if data is not None:
-                out[path] = data
+    files = tuple((p, tree[p]) for p in L.test_files(lib, dict(tree)) if p.endswith(".py"))
+    out.update(dict(_transformed(files)))
     return out
 
 
