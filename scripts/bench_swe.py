@@ -31,6 +31,13 @@ No sandbox needed; ~15 min on the shared 2-core machine.
 instead checks the value judge (observe.py) against pytest's verdict on sampled mutations
 (`judge_sweep`): tests pytest fails that the judge passes must be 0, and the pristine library
 must pass every test under the judge. No sandbox needed.
+
+    .venv/bin/python scripts/bench_swe.py --blind-stats
+
+instead counts, per library, what the transform takes out of the copy of the tests the tested
+process runs (blind.py): observation operands dropped as literals and by blinding, expected-only
+bindings, table columns and helper arguments cleared, and the constants (strings and numbers)
+left in the test modules: original, literal operands dropped only, blinded. Static; seconds.
 """
 from __future__ import annotations
 
@@ -259,6 +266,39 @@ def judge_sweep(names=(), per_library: int = 25, seed: int = 0) -> int:
     return 1 if bad else 0
 
 
+def blind_stats() -> int:
+    """What blinding removes from each library's test copy (static counts, no run)."""
+    import ast
+
+    from envs.swe import blind as Bl
+    from envs.swe import observe as O
+
+    def constants(trees) -> int:
+        """Test data in the modules: str / number constants, the observation calls' own marks left out."""
+        marks = {id(a) for t in trees for n in ast.walk(t) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name) and n.func.id == O.OBSERVE_NAME for a in n.args[:3]}
+        return sum(isinstance(n, ast.Constant) and isinstance(n.value, (str, int, float, complex, bytes))
+                   and not isinstance(n.value, bool) and id(n) not in marks for t in trees for n in ast.walk(t))
+
+    print(f"{'library':<22}{'modules':>8}{'observations':>13}{'literal ops':>12}{'blinded ops':>12}"
+          f"{'bindings':>9}{'columns':>8}{'helper args':>12}{'constants orig / literal-only / blinded':>41}")
+    for name in L.LIBRARIES:
+        lib = L.get_library(name)
+        files = L.grading_files(lib, L.source_files(lib))
+        srcs = {p: files[p].decode("utf-8", "replace") for p in L.test_files(lib, files) if p.endswith(".py")}
+        orig = [ast.parse(s) for s in srcs.values()]
+        trees = {p: t for p, s in srcs.items() if (t := O._observed(s)) is not None}
+        calls = [n for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name) and n.func.id == O.OBSERVE_NAME]
+        literal = sum(c.args[2].value.count("s") for c in calls)
+        lit_consts = constants(trees.values())
+        st = Bl.blind(trees)
+        print(f"{lib.key:<22}{len(srcs):>8}{len(calls):>13}{literal:>12}{st.operands_dropped:>12}"
+              f"{st.bindings_removed:>9}{st.columns_cleared:>8}{st.parameters_cleared:>12}"
+              f"{constants(orig):>21} / {lit_consts} / {constants(trees.values())}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -268,7 +308,10 @@ def main() -> int:
     ap.add_argument("--judge-sweep", nargs="*", default=None, metavar="LIBRARY", choices=sorted(L.LIBRARIES),
                     help="only: the value judge against pytest on --per-library sampled mutations of each library")
     ap.add_argument("--per-library", type=int, default=25)
+    ap.add_argument("--blind-stats", action="store_true", help="only: what blinding removes from the test copies")
     a = ap.parse_args()
+    if a.blind_stats:
+        return blind_stats()
     if a.edit_sweep is not None:
         return edit_sweep(a.edit_sweep)
     if a.judge_sweep is not None:

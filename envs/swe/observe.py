@@ -27,10 +27,14 @@ work is the values the correct library computes. So:
    comparison is of `str`s the host parsed from JSON (never objects the tested process made), so
    an `__eq__` that says yes to everything has nothing to act on.
 
-What it does not claim: the tested process still holds the test code minus the literal
-operands, so expected values a test builds into variables or helpers before asserting on them
-(tabulate's `expected = "\\n".join([...])`) are in its memory; code with full control there could
-read them and report them. Closing that needs the tests out of the tested process altogether
+Then blind.py takes out of the tested copy what the tests compute only to compare with
+(expected-only variables, table columns, reported-only helper parameters), across all test
+modules of the library together (`transform_modules`).
+
+What it does not claim: the tested process still holds the test code minus what was taken out, so
+expected values that are also library inputs, decide the flow, or sit in constructs blinding does
+not follow (`parametrize` tables, class attributes) are in its memory; code with full control
+there could read them. Closing that needs the tests out of the tested process altogether
 (docs/swe.md, "Not covered"). The static splice and allow-list (editcheck.py) are what keep agent
 code from getting that control in the first place.
 """
