@@ -24,3 +24,5 @@ def register() -> None:
 
     reg(longhorizon.ENV_ID, longhorizon.make_env, longhorizon.make_tasks,
         description="a trail of 20-27 logs read one call at a time, whose whole history outgrows the context: the long-horizon rung")
+    reg(longhorizon.XL_ENV_ID, longhorizon.make_env, longhorizon.make_xl_tasks,
+        description="the long-horizon rung with five times the log noise: episodes past 16k tokens, for long-sequence training")

@@ -14,6 +14,10 @@ lines of ordinary log noise, so the whole trail is ~6k tokens of history (the sh
 its running FAIL count there keeps what it needs in its most recent turn, which a `window` context keeps; the
 scripted reference does exactly that. Held-out tasks use (service, trail length) variants that no train task
 uses (envs/splits.py).
+
+terminal-longhorizon-xl-v0 is the same rung with five times the noise per log (22-28 lines: a trail's logs are
+13.7k-19.7k tokens in the shipped tokenizer, 15.1k for the first train task): episodes past 16k tokens with few
+generated tokens, for training long sequences end to end (docs/training.md, "Long sequences").
 """
 from __future__ import annotations
 
@@ -29,11 +33,14 @@ from jointrl.records import Limits, Message, Task
 from rewards import Rubric, Term, check, malformed_fraction
 
 ENV_ID = "terminal-longhorizon-v0"
+XL_ENV_ID = "terminal-longhorizon-xl-v0"
 FAMILY = "log_trail"
 LENGTHS = tuple(range(20, 28))  # logs per trail: each needs its own call, plus one to submit
 HELDOUT_FRACTION = 0.2
 DEFAULT_N = {"train": 400, "heldout": 60}
 LIMITS = Limits(max_turns=40, tool_timeout_s=5.0, episode_timeout_s=600.0, max_obs_chars=1500, max_arg_chars=200)
+XL_LIMITS = Limits(max_turns=40, tool_timeout_s=5.0, episode_timeout_s=1800.0, max_obs_chars=4000, max_arg_chars=200)
+NOISE_LINES = {ENV_ID: (4, 6), XL_ENV_ID: (22, 28)}  # log-noise lines per log
 SYSTEM_PROMPT = ("You are inspecting service logs. Use `read_log` to read one log at a time; pass in `tally` your running "
                  "count so far. When you know the answer, call `submit` with it.")
 _LEVELS = ("INFO", "DEBUG", "WARN", "INFO", "INFO")
@@ -57,10 +64,11 @@ def _name(rng: random.Random, taken: set[str]) -> str:
             return n
 
 
-def _log_text(rng: random.Random, service: str, index: int, status: str, nxt: str | None) -> str:
+def _log_text(rng: random.Random, service: str, index: int, status: str, nxt: str | None,
+              noise: tuple[int, int]) -> str:
     lines = [f"== {service} log {index + 1} =="]
     t = rng.randint(0, 80_000)
-    for _ in range(rng.randint(4, 6)):
+    for _ in range(rng.randint(*noise)):
         t += rng.randint(1, 300)
         lines.append(f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d} {rng.choice(_LEVELS)} {service}: "
                      f"{rng.choice(_EVENTS)} ({rng.choice(NAMES)} {rng.randint(1, 999)})")
@@ -69,25 +77,25 @@ def _log_text(rng: random.Random, service: str, index: int, status: str, nxt: st
     return "\n".join(lines)
 
 
-def make_task(split: str, seed: int, index: int) -> Task:
-    rng = random.Random(f"{ENV_ID}:{seed}:{split}:{index}")
+def make_task(split: str, seed: int, index: int, env_id: str = ENV_ID) -> Task:
+    rng = random.Random(f"{env_id}:{seed}:{split}:{index}")
     service, length = rng.choice(split_variants()[split])
     taken: set[str] = set()
     names = [_name(rng, taken) for _ in range(length)]
     statuses = ["FAIL" if rng.random() < 0.3 else "OK" for _ in range(length)]
-    logs = {n: _log_text(rng, service, i, s, names[i + 1] if i + 1 < length else None)
+    logs = {n: _log_text(rng, service, i, s, names[i + 1] if i + 1 < length else None, NOISE_LINES[env_id])
             for i, (n, s) in enumerate(zip(names, statuses))}
     instruction = (f"The logs of service {service} form a trail: each log names the next one on its last line. "
                    f"Start at {names[0]} and read every log of the trail. How many of them report STATUS: FAIL? "
                    "Submit that number.")
     return Task(
-        id=f"{ENV_ID}/{split}/s{seed}/{index:05d}-{FAMILY}",
+        id=f"{env_id}/{split}/s{seed}/{index:05d}-{FAMILY}",
         domain="terminal",
         prompt=(Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=instruction)),
         public={"family": FAMILY, "logs": logs},
         private={"family": FAMILY, "variant": variant_key(FAMILY, (service, length)), "trail": names,
                  "statuses": statuses, "expected": str(statuses.count("FAIL"))},
-        limits=LIMITS,
+        limits=XL_LIMITS if env_id == XL_ENV_ID else LIMITS,
         thinking="low",
         split=split,
     )
@@ -95,6 +103,14 @@ def make_task(split: str, seed: int, index: int) -> Task:
 
 def make_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
     return tasks_of_split(make_task, DEFAULT_N, split, seed, n)
+
+
+def make_xl_task(split: str, seed: int, index: int) -> Task:
+    return make_task(split, seed, index, XL_ENV_ID)
+
+
+def make_xl_tasks(split: str, seed: int = 0, n: int | None = None) -> list[Task]:
+    return tasks_of_split(make_xl_task, DEFAULT_N, split, seed, n)
 
 
 class LogTrailDomain(Domain):
