@@ -10,7 +10,8 @@ The database is the source of truth for every answer, so any server process over
 answers the same (a restarted server included). The event stream polls the database; it ends after
 the job's final event.
 
-Who may do what: with API keys (`api_keys`, rl/jobs/guard.py: KeyGate) every route needs one, and a job
+Who may do what: a per-client rate limit (rl/jobs/guard.py: RateGate) answers 429 with `Retry-After`
+before anything else, the key check and the body included. With API keys (`api_keys`, rl/jobs/guard.py: KeyGate) every route needs one, and a job
 belongs to the key that submitted it: its status, events and cancel answer 404 to any other key, the
 same answer as for an id that does not exist (so ids cannot be probed). Without keys (loopback only,
 enforced by the server) there are no owners. Bodies are read bounded (`MAX_BODY_BYTES`, 413) and every
@@ -31,9 +32,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rl.config import ConfigError
 from rl.jobs.broker import Broker
-from rl.jobs.guard import BodyError, KeyGate, read_json, short
+from rl.jobs.guard import BodyError, KeyGate, RateGate, read_json, short
 from rl.jobs.records import FINAL_STATUSES, JobSpec, JobView
 from rl.jobs.store import JobStore
+from rl.ratelimit import RateLimiter
 
 EVENT_POLL_S = 0.2
 FINAL_EVENTS = frozenset({"done", "failed", "cancelled", "dead_letter"})
@@ -77,8 +79,9 @@ class JobsMetrics:
 
 
 def create_app(store: JobStore, broker: Broker, pool: Any, autoscaler: Any, metrics: JobsMetrics | None = None,
-               api_keys: Sequence[str] = ()):
-    """The app; with `api_keys`, every route needs one of them and jobs are visible to their submitter only."""
+               api_keys: Sequence[str] = (), limiter: RateLimiter | None = None):
+    """The app; with `api_keys`, every route needs one of them and jobs are visible to their submitter only; with
+    `limiter`, each client address is paced by it, ahead of the key check (None: no limit)."""
     app = FastAPI(title="jointrl jobs", docs_url=None, redoc_url=None)
     metrics = metrics or JobsMetrics()
     keyed = bool(api_keys)
@@ -174,4 +177,6 @@ def create_app(store: JobStore, broker: Broker, pool: Any, autoscaler: Any, metr
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(KeyGate, keys=tuple(api_keys))
+    if limiter is not None and limiter.enabled:
+        app.add_middleware(RateGate, limiter=limiter)  # added last: the outermost, so it answers before KeyGate
     return app

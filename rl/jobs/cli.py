@@ -8,6 +8,7 @@
 Keys: `serve --api-key K` (repeatable: one key per client) or `$JOINTRL_JOBS_API_KEY` (comma-separated);
 required with a non-loopback `--host`. The client subcommands send `--api-key K` or
 `$JOINTRL_JOBS_API_KEY` as `Authorization: Bearer K`; a job is visible to the key that submitted it only.
+`serve --rate-limit-per-s R --rate-limit-burst N` paces each client address (rl/jobs/guard.py: RateGate).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from rl.config import ConfigError
 from rl.jobs.guard import JOBS_KEY_ENV, check_key, keys_from
@@ -23,6 +24,17 @@ from rl.jobs.records import SPLITS, TIERS, JobsConfig
 
 DEFAULT_URL = "http://127.0.0.1:8100"
 _D = JobsConfig()
+
+
+def _as_number(kind: type) -> Callable[[str], object]:
+    """An argparse type: the flag's text as `kind` when it parses, else the text itself, so that JobsConfig refuses
+    it with the one message naming the flag and its allowed values (argparse's own would not name them)."""
+    def parse(text: str) -> object:
+        try:
+            return kind(text)
+        except ValueError:
+            return text
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=_D.max_new_tokens_per_turn, help="tokens generated per turn at most")
     s.add_argument("--job-timeout", type=float, default=_D.job_timeout_s,
                    help="seconds one attempt may run; past it the job fails for good and its worker is freed")
+    s.add_argument("--rate-limit-per-s", type=_as_number(float), default=_D.rate_limit_per_s, metavar="R",
+                   help="requests per second one client address may sustain; past it 429 with Retry-After, before the key "
+                        f"check and the body (0: no limit; default {_D.rate_limit_per_s:g})")
+    s.add_argument("--rate-limit-burst", type=_as_number(int), default=_D.rate_limit_burst, metavar="N",
+                   help=f"requests one client address may send at once before --rate-limit-per-s applies (default {_D.rate_limit_burst})")
 
     for name, hlp in (("submit", "submit a job"), ("status", "print a job's status and result"),
                       ("watch", "stream a job's events until it ends"), ("cancel", "cancel a job")):
@@ -71,7 +88,8 @@ def config_from_args(a: argparse.Namespace) -> JobsConfig:
                       max_workers=a.workers if a.max_workers is None else a.max_workers,
                       jobs_per_worker=a.jobs_per_worker, scale_down_delay_s=a.scale_down_delay, claim_timeout_s=a.claim_timeout,
                       max_attempts=a.max_attempts, max_turns=a.max_turns, max_new_tokens_per_turn=a.max_new_tokens,
-                      policy_url=a.policy_url, job_timeout_s=a.job_timeout)
+                      policy_url=a.policy_url, job_timeout_s=a.job_timeout, rate_limit_per_s=a.rate_limit_per_s,
+                      rate_limit_burst=a.rate_limit_burst)
 
 
 def _client(url: str, api_key: str | None):

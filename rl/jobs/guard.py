@@ -1,9 +1,15 @@
-"""What stands in front of the jobs API and the policy server: API keys, and bounded request bodies.
+"""What stands in front of the jobs API and the policy server: a rate limit, API keys, and bounded request bodies.
 
 - Keys (`check_key`, `keys_from`): printable ASCII, no spaces or commas, never empty or blank; refused
   at start-up with a `ConfigError` naming where the key came from. `jointrl jobs serve` takes one or
   more (`--api-key`, repeatable, or `$JOINTRL_JOBS_API_KEY`, comma-separated), one per client; the
   policy server takes exactly one (`$JOINTRL_POLICY_API_KEY`).
+- `RateGate`: ASGI middleware, outermost on the jobs API: a token bucket per client address
+  (rl/ratelimit.py, `--rate-limit-per-s` / `--rate-limit-burst`); past it 429 with `Retry-After`,
+  answered before the key check and before any body byte is read, so a flood (with or without a key,
+  with bodies that would take parsing) costs one bucket update and a small reply per request. The
+  policy server has none: its only clients are the jobs service's own workers, all on one loopback
+  address, and a 429 there would fail their jobs (rl/jobs/policy.py says why it needs none).
 - `KeyGate`: ASGI middleware. With keys set, every HTTP request must carry one
   (`Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time) or gets 401. The
   request's owner (`key_id(KEY)`, a hash: the database never holds a key) is put in
@@ -12,7 +18,8 @@
   Content-Length says so), decoded as JSON with every decoding failure a 400: invalid UTF-8, invalid
   JSON, nesting deeper than `MAX_DEPTH`, integers past Python's digit limit.
 
-What this module does not do: TLS, per-key quotas or rate limits, or check what a body means.
+What this module does not do: TLS, per-key quotas (the rate limit goes by address: behind a proxy every
+client is the proxy, so raise or turn off the limit there), or check what a body means.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from rl.config import ConfigError
 from rl.http_io import BodyTooLarge, read_body
+from rl.ratelimit import RateLimiter, client_id
 
 JOBS_KEY_ENV = "JOINTRL_JOBS_API_KEY"  # the jobs server: accepted keys, comma-separated; a client: the key it sends
 POLICY_KEY_ENV = "JOINTRL_POLICY_API_KEY"  # the policy server's key (the jobs server makes a fresh one per start)
@@ -64,6 +72,29 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
+async def _refuse(send: Callable, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer `{"detail": ...}` with `status` from a middleware, without reading the request."""
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RateGate:
+    """ASGI middleware: 429 with Retry-After for a client address past its token bucket; placed outside KeyGate."""
+
+    def __init__(self, app: Any, limiter: RateLimiter) -> None:
+        self.app, self.limiter = app, limiter
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        wait = self.limiter.take(client_id(scope)) if scope["type"] == "http" else None
+        if wait is None:
+            return await self.app(scope, receive, send)
+        await _refuse(send, 429, f"too many requests from this client: at most {self.limiter.per_s:g} per second "
+                                 f"(bursts of {self.limiter.burst}); retry after the Retry-After seconds",
+                      [(b"retry-after", self.limiter.retry_after(wait).encode())])
+
+
 class KeyGate:
     """ASGI middleware: 401 without one of `keys`; the caller's owner id in scope["state"]["owner"]."""
 
@@ -86,12 +117,8 @@ class KeyGate:
             return await self.app(scope, receive, send)
         owner = self.owner(scope["headers"])
         if owner is None:
-            body = json.dumps({"detail": "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"}).encode()
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
+            return await _refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                                 [(b"www-authenticate", b"Bearer")])
         scope.setdefault("state", {})["owner"] = owner
         return await self.app(scope, receive, send)
 

@@ -16,6 +16,14 @@ checked against the engine's ranges before the engine sees it (`check_request`: 
 vocabulary, lengths within the context, a seed in [0, 2^63), finite sampling parameters, no images),
 so no request can break the engine for the requests after it; a bad one is a 400 naming the field.
 
+No rate limit here, unlike the jobs API in front (rl/jobs/guard.py: RateGate), on purpose: its only
+clients are the jobs service's own agent workers, which all share one loopback address (one bucket),
+send one `/generate` per episode turn each, and treat any error status as a failed attempt
+(`RemotePolicy.generate_batch` raises), so a per-address limit would turn load from honest jobs into
+failed and dead-lettered ones. What reaches it is bounded upstream instead: the jobs API's rate limit
+on submissions, the worker count (`--max-workers`) and each job's turns and time limit, and the engine's
+own continuous batching queues the rest.
+
 What this module does not do: decide which engine settings a run uses beyond max_model_len (defaults
 of `EngineConfig`), or serve anything but loopback clients.
 """

@@ -9,6 +9,7 @@ What this module does not do: talk to Redis, SQLite or HTTP.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Mapping
 
@@ -134,6 +135,10 @@ class JobsConfig:
     # wall-clock limit of one attempt: past it the attempt is cancelled (or its worker replaced when the
     # job is stuck in code that cannot be cancelled) and the job fails for good, freeing the worker
     job_timeout_s: float = 900.0
+    # the per-client rate limit of the jobs API (rl/ratelimit.py: a token bucket per client address; past it
+    # 429 with Retry-After, before the key check and the body): the rate one address may sustain, 0: no limit
+    rate_limit_per_s: float = 100.0
+    rate_limit_burst: int = 512  # requests one address may send at once before the rate applies (a batch of submissions)
 
     def __post_init__(self) -> None:
         for key in ("min_workers", "max_workers", "workers", "max_attempts", "max_new_tokens_per_turn"):
@@ -150,6 +155,12 @@ class JobsConfig:
             raise ConfigError(f"jobs.scale_down_delay_s must be >= 0, got {self.scale_down_delay_s!r}")
         if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
             raise ConfigError(f"jobs.max_turns must be None or an integer >= 1, got {self.max_turns!r}")
+        r = self.rate_limit_per_s
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r >= 0):
+            raise ConfigError(f"jobs.rate_limit_per_s (--rate-limit-per-s) must be a finite number >= 0 (0: no limit), got {r!r}")
+        b = self.rate_limit_burst
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ConfigError(f"jobs.rate_limit_burst (--rate-limit-burst) must be an integer >= 1, got {b!r}")
         if not self.redis_url.startswith("redis://"):
             raise ConfigError(f"jobs.redis_url must be a redis:// URL, got {self.redis_url!r}")
 

@@ -11,6 +11,9 @@ Start-up order, each step bounded and each failure named:
 5. the worker pool at `workers` replicas and the autoscaler thread;
 6. uvicorn on HOST:PORT until SIGINT/SIGTERM; then the workers drain and the children stop.
 
+The jobs API is paced per client address (`rate_limit_per_s`, `rate_limit_burst`; rl/jobs/guard.py: RateGate);
+the policy server child is not (rl/jobs/policy.py).
+
 API keys (`api_keys`): required when HOST is not loopback (refused before anything starts otherwise);
 with keys, every route needs one and each job belongs to the key that submitted it (rl/jobs/api.py).
 
@@ -33,6 +36,7 @@ from rl.jobs.guard import LOOPBACK_HOSTS, POLICY_KEY_ENV, check_key
 from rl.jobs.records import JobsConfig
 from rl.jobs.store import JobStore, open_store
 from rl.log import get_logger, setup_logging
+from rl.ratelimit import RateLimiter
 
 log = get_logger("jobs.server")
 
@@ -93,9 +97,10 @@ def serve(model: str, port: int, cfg: JobsConfig, host: str = "127.0.0.1", api_k
         autoscaler = Autoscaler(cfg, pool, broker)
         pool.scale_to(cfg.initial_workers)
         autoscaler.start()
-        app = create_app(store, broker, pool, autoscaler, api_keys=api_keys)
-        log.info("jobs API on http://%s:%d (%d worker(s), policy %s, API keys: %d)", host, port, cfg.initial_workers,
-                 policy_url, len(api_keys))
+        app = create_app(store, broker, pool, autoscaler, api_keys=api_keys,
+                         limiter=RateLimiter(cfg.rate_limit_per_s, cfg.rate_limit_burst))
+        log.info("jobs API on http://%s:%d (%d worker(s), policy %s, API keys: %d, rate limit %g/s per client, burst %d)",
+                 host, port, cfg.initial_workers, policy_url, len(api_keys), cfg.rate_limit_per_s, cfg.rate_limit_burst)
         run_until_stopped(app, host, port, log_level="warning")
     finally:
         log.info("shutting down")

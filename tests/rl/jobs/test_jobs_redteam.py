@@ -40,7 +40,7 @@ CLI = [sys.executable, "-m", "rl.cli", "jobs"]
 class ApiServer:
     """The jobs API app on a loopback port in a thread (uvicorn), over a real store and broker."""
 
-    def __init__(self, tmp, redis_url: str, keys: tuple[str, ...]) -> None:
+    def __init__(self, tmp, redis_url: str, keys: tuple[str, ...], limiter=None) -> None:  # noqa: ANN001 - an rl.ratelimit.RateLimiter
         import uvicorn
 
         from rl.jobs.api import create_app
@@ -54,7 +54,7 @@ class ApiServer:
         self.store = open_store(cfg.db_url)
         self.broker = Broker(redis_url, stream)
         pool = WorkerPool(cfg, "http://127.0.0.1:9", str(tmp))
-        app = create_app(self.store, self.broker, pool, Autoscaler(cfg, pool, self.broker), api_keys=keys)
+        app = create_app(self.store, self.broker, pool, Autoscaler(cfg, pool, self.broker), api_keys=keys, limiter=limiter)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
