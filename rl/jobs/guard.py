@@ -1,4 +1,4 @@
-"""What stands in front of the jobs API and the policy server: a rate limit, API keys, and bounded request bodies.
+"""What stands in front of the jobs API (a rate limit, API keys, bounded request bodies) and the policy server (its key, bounded bodies).
 
 - Keys (`check_key`, `keys_from`): printable ASCII, no spaces or commas, never empty or blank; refused
   at start-up with a `ConfigError` naming where the key came from. `jointrl jobs serve` takes one or

@@ -155,7 +155,8 @@ def test_serve_refuses_blank_keys_and_an_open_non_loopback_bind_before_starting(
     cases = [(["--host", "0.0.0.0"], {}, "needs an API key"), (["--api-key", ""], {}, "empty or blank"),
              (["--api-key", "  "], {}, "empty or blank"), (["--api-key", "a b"], {}, "printable ASCII"),
              ([], {"JOINTRL_JOBS_API_KEY": ""}, "empty or blank"), ([], {"JOINTRL_JOBS_API_KEY": f"{KEY_A},"}, "empty or blank"),
-             (["--job-timeout", "0"], {}, "jobs.job_timeout_s")]
+             (["--job-timeout", "0"], {}, "jobs.job_timeout_s"), (["--rate-limit-per-s=-inf"], {}, "--rate-limit-per-s"),
+             (["--rate-limit-burst", "0"], {}, "--rate-limit-burst")]
     for flags, extra, msg in cases:
         t0 = time.monotonic()
         out = subprocess.run([*CLI, "serve", "tiny", "--port", str(free_port()), *flags], capture_output=True, text=True,
