@@ -64,3 +64,27 @@ def test_shortcuts_score_zero():
 def test_answers_vary_so_a_constant_answer_cannot_pass(split):
     answers = [t.private["expected"] for t in _tasks(split, 40)]
     assert max(answers.count(a) for a in set(answers)) / len(answers) < 0.35
+
+
+def test_the_xl_variant_gives_episodes_past_16k_tokens_and_passes_the_conformance_check():
+    from envs.terminal.longhorizon import XL_ENV_ID
+
+    codec = make_codec("jointrl", None)
+    tasks = [Task.from_row(r) for r in envs.tasks(XL_ENV_ID, "train", seed=0, n=3)]
+    lengths = []
+    for task in tasks:
+        env = envs.make(XL_ENV_ID)
+        try:
+            tr = asyncio.run(run_episode(env, task, ScriptedPolicy(list(env.reference(task))), max_steps=60))
+            assert tr.grade.reward == 1.0 and tr.terminated, task.id
+            seen = "\n".join(m.content or "" for m in tr.messages if m.role == "tool")
+            assert all(task.public["logs"][n] in seen for n in task.private["trail"]), task.id  # no log cut short
+            lengths.append(len(codec.prompt_ids(list(tr.messages), env.tool_schemas)))
+        finally:
+            env.close()
+    assert min(lengths) > 16_384, lengths
+    # tasks of their own, not the base rung's
+    base = _tasks("train", 1)[0]
+    assert tasks[0].id != base.id and tasks[0].public["logs"] != base.public["logs"]
+    report = check_env(XL_ENV_ID, n_tasks=2, n_generate=16)
+    assert report.passed, report.render()
