@@ -227,7 +227,7 @@ def grade(backend: SandboxBackend, lib: L.Library, start: Mapping[str, bytes], e
     for path, data in check.graded.items():  # what runs is the splice, never the agent's file itself
         tree[path] = data
     ref = O.reference(backend, lib)  # the pristine library's values, from its own sandbox (cached)
-    tree = O.transform_tree(lib, tree)  # the tests report values; the literals they compare with stay here
+    tree = O.transform_tree(lib, tree)  # the tests report values; what they compare with stays here (blind.py)
     canaries = add_canaries(tree, f2p)
     result = run_in_sandbox(backend, lib, tree, limits=limits)
     return verdict(result, f2p, p2p, edits, canaries, ref)
