@@ -831,6 +831,15 @@ def _cap_build_child() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def _kill_group(pgid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_suite_local(lib: Library, tree: Path, runtime: Path, python: Path, *, timeout_s: float = 120.0,
                     selectors: Sequence[str] = ()) -> SuiteResult:
     """Build-time run in a plain subprocess (our own trusted mutations, no agent code): the same
@@ -844,12 +853,20 @@ def run_suite_local(lib: Library, tree: Path, runtime: Path, python: Path, *, ti
         # RUSAGE_CHILDREN counts waited-for children (the judge, and the worker it waited for);
         # one suite runs at a time per process.
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # Its own session, killed as a group: on a timeout the judge is killed, and its worker (and anything
+        # the tests started) must go with it, or an endless mutation keeps burning CPU up to its rlimit.
+        proc = subprocess.Popen(argv, cwd=tree, env=TEST_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=_cap_build_child, start_new_session=True)
         try:
-            p = subprocess.run(argv, cwd=tree, env=TEST_ENV, input=key_line(key), capture_output=True,
-                               timeout=timeout_s, preexec_fn=_cap_build_child)
-        except subprocess.TimeoutExpired as e:
-            tail = (e.stdout or b"")[-2000:].decode("utf-8", "replace")
+            stdout, stderr = proc.communicate(key_line(key), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            stdout, _ = proc.communicate()
+            tail = (stdout or b"")[-2000:].decode("utf-8", "replace")
             return SuiteResult(ok=False, timed_out=True, duration_s=time.monotonic() - t0, output_tail=tail)
+        finally:
+            _kill_group(proc.pid)  # stragglers the tests left behind
+        p = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         dt = time.monotonic() - t0

@@ -97,6 +97,35 @@ def test_a_run_that_dies_reports_no_results(tmp_path, runtime):
     assert not r.ok and not r.outcomes
 
 
+def test_a_timed_out_run_leaves_no_process_behind(tmp_path, runtime):
+    """An endless mutation: the run times out, and the judge's worker goes with the judge (not left to spin
+    until its CPU rlimit)."""
+    import os
+    import time
+
+    write(tmp_path, {**FILES, "demo/__init__.py": "def add(a, b):\n    while True:\n        pass\n"})
+    r = run_suite_local(DEMO, tmp_path, runtime, L.interpreter(), timeout_s=8)
+    assert r.timed_out and not r.ok
+
+    def alive() -> list[str]:
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(tmp_path).encode() in cmd and state != "Z":
+                out.append(pid)
+        return out
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive() == []
+
+
 def test_collection_errors_are_recorded(tmp_path, runtime):
     write(tmp_path, {**FILES, "demo/__init__.py": "def add(a, b:\n"})
     r = run(tmp_path, runtime)
