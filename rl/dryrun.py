@@ -42,6 +42,38 @@ def pulls(cfg) -> list[str]:
     return out
 
 
+def _serving_problem(cfg, *, cpu: bool) -> str | None:
+    """What the engine would refuse at start-up for the project's HybridMoe (model/vllm_plugin.check_servable:
+    DSA served dense only up to `index_topk` positions, bf16 and head dims on CPU), read from a shipped shape,
+    a JSON config or a checkpoint directory; None for other models or when the config is not readable here."""
+    import json
+    from pathlib import Path
+
+    from model.shipped import CONFIG_DIR, SHIPPED_CONFIGS, load_shipped_config
+
+    arch = cfg.model.arch
+    p = CONFIG_DIR / f"{arch}.json" if arch in SHIPPED_CONFIGS else Path(arch)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        if json.loads(p.read_text()).get("model_type") != "hybrid_moe":
+            return None
+        hf = load_shipped_config(str(p))
+    except (OSError, ValueError, TypeError):
+        return None
+    import torch
+
+    from model.vllm_plugin import HybridMoeServingError, check_servable
+
+    dtype = cfg.rollout.dtype
+    if dtype == "auto":  # as the engine resolves it (rl/rollout/engine.py)
+        dtype = "bfloat16" if cpu else "float32"
+    try:
+        check_servable(hf, cfg.rollout.max_model_len, getattr(torch, dtype), cpu)
+    except HybridMoeServingError as e:
+        return f"rollout.max_model_len / rollout.dtype / model.arch: {e}"
+    return None
+
+
 def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") -> int:
     import yaml
 
@@ -79,6 +111,11 @@ def dry_run(path: str | None, overrides: Sequence[str], choice: str = "auto") ->
         # (rl/admission.py); here it is a warning, not a refusal.
         print(f"warning: ~{need.total_gib:.1f} GiB needed and {free:.1f} GiB available now: a run started now would be "
               "refused until other runs or jobs free memory (docs/training.md, 'Several runs on one machine')")
+
+    problem = _serving_problem(cfg, cpu=have == 0)
+    if problem:
+        problems.append(problem)
+        print(f"engine: refused: {problem}")
 
     print("# sandbox")
     try:

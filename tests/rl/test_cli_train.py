@@ -108,6 +108,22 @@ def test_dry_run_checks_ids_and_names_with_suggestions(capsys):
     assert rc == 2 and "trainer.sft_data" in err
 
 
+def test_dry_run_refuses_what_the_engine_would_refuse_for_the_hybrid_moe(capsys):
+    """The engine refuses a HybridMoe whose DSA layers it would serve inexactly (max_model_len past index_topk) or
+    in fp32 on CPU; the dry run says so before anything starts, naming the keys."""
+    rc, _, err = _main(capsys, "train", "configs/tiny.yaml", "rollout.max_model_len=4096", "--dry-run")
+    assert rc == 2 and "rollout.max_model_len" in err and "index_topk (2048)" in err
+    from rl.dryrun import _gpus_here
+
+    if _gpus_here() == 0:  # the bf16 rule is the CPU kernel's
+        rc, _, err = _main(capsys, "train", "configs/tiny.yaml", "rollout.dtype=float32", "--dry-run")
+        assert rc == 2 and "rollout.dtype" in err and "bfloat16" in err
+    # the 32k-position shape with top-k 32,768 serves a 24k context exactly
+    rc, out, err = _main(capsys, "train", "configs/longhorizon_xl.yaml", "--dry-run")
+    assert rc == 0, err
+    assert "engine: refused" not in out
+
+
 def test_yaml_syntax_error_points_at_the_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntrainer:\n  lr: 1e-5\n  steps: [1, 2\nenvs:\n  max_turns: 3\n")
