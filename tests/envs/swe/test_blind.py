@@ -231,7 +231,7 @@ ORACLE = (
 
 
 @pytest.mark.slow
-def test_an_oracle_reading_the_callers_expected_value_wins_nothing(backend, monkeypatch):
+def test_an_oracle_reading_the_callers_expected_value_wins_nothing(backend, monkeypatch, request):
     """tabulate's tests build `expected` before calling `tabulate(...)`. An agent `tabulate` that
     computes nothing and returns the caller's `expected` passes those tests under the
     literal-only transform; blinded, it passes none. The pristine library passes them all."""
@@ -240,8 +240,13 @@ def test_an_oracle_reading_the_callers_expected_value_wins_nothing(backend, monk
     from envs.swe import libraries as L
     from envs.swe import runner as R
 
-    # full control: no in-process refusal in the worker (as in test_verdict.py)
+    from envs.swe import mounts as M
+
+    # full control: no in-process refusal in the worker (as in test_verdict.py); the sandbox mounts hold the
+    # worker's source, so their cache is cleared around the change
     monkeypatch.setattr(R, "WORKER_SOURCE", R.WORKER_SOURCE.replace("    guard(emit, ", "    (lambda *a: None)(emit, ", 1))
+    M._test_mounts.cache_clear()
+    request.addfinalizer(M._test_mounts.cache_clear)
     lib = L.get_library("tabulate")
     tree = L.grading_files(lib, dict(I.pristine(lib.name)))
     path = next(p for p in tree if p.endswith("tabulate/__init__.py"))
