@@ -24,8 +24,9 @@ torch and transformers only.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 
@@ -183,6 +184,7 @@ class RouterHooks:
         self.num_layers = len(routers)
         self.moe_layer_ids = _moe_layer_ids(model, routers)
         self._replay_LNK: torch.Tensor | None = None
+        self._recomputing = False
         self._used: list[torch.Tensor | None] = [None] * len(routers)
         self._fresh: list[torch.Tensor | None] = [None] * len(routers)
         self._logits: list[torch.Tensor | None] = [None] * len(routers)
@@ -191,11 +193,17 @@ class RouterHooks:
     def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args, output):
             logits_NE, weights_NK, idx_NK = output
-            self._fresh[layer] = idx_NK.detach()
-            self._logits[layer] = logits_NE
+            # An activation-checkpointing recompute (in the backward) routes as the forward did (the replay
+            # below still applies) but records nothing: a reference kept to a recomputed tensor would keep
+            # that layer's whole recomputed graph alive until `clear()`, undoing the checkpointing.
+            keep = not self._recomputing
+            if keep:
+                self._fresh[layer] = idx_NK.detach()
+                self._logits[layer] = logits_NE
             replay = self._replay_LNK
             if replay is None:
-                self._used[layer] = idx_NK.detach()
+                if keep:
+                    self._used[layer] = idx_NK.detach()
                 return None
             want_NK = replay[layer].to(device=idx_NK.device, dtype=idx_NK.dtype)
             if want_NK.shape != idx_NK.shape:
@@ -203,9 +211,19 @@ class RouterHooks:
                                  f"{tuple(idx_NK.shape)} [tokens, k]")
             want_NK = torch.where(want_NK < 0, idx_NK, want_NK)
             w_NK = gate_weights(self.family.gate, module, logits_NE, want_NK).to(weights_NK.dtype)
-            self._used[layer] = want_NK
+            if keep:
+                self._used[layer] = want_NK
             return logits_NE, w_NK, want_NK
         return hook
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Within the block the hooks record nothing (activation checkpointing's recompute context)."""
+        prev, self._recomputing = self._recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputing = prev
 
     def set_replay(self, routes_LNK: torch.Tensor | None) -> None:
         """Replay `routes_LNK` [L, N, k] in the following forwards (None: route freely). L may be the MoE

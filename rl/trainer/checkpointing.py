@@ -48,9 +48,11 @@ def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def prepare(model: nn.Module, mode: str, role: str) -> bool:
+def prepare(model: nn.Module, mode: str, role: str, recomputing=None) -> bool:
     """Give the model's decoder layers a non-reentrant checkpoint function (still off); True when `mode`
-    may turn it on. 'on' with a model that has no checkpointable layer is an error naming `role`."""
+    may turn it on. 'on' with a model that has no checkpointable layer is an error naming `role`.
+    `recomputing`: a context manager factory entered around each recompute (the router hooks' `recomputing`,
+    so they do not keep recomputed graphs alive)."""
     check_mode(mode)
     if mode == "off":
         return False
@@ -60,7 +62,7 @@ def prepare(model: nn.Module, mode: str, role: str) -> bool:
             raise ValueError(f"trainer.activation_checkpointing='on' but the {role} ({type(model).__name__}) has no "
                              "transformers GradientCheckpointingLayer; use 'auto' or 'off'")
         return False
-    ctx = _context_fn(model)
+    ctx = _context_fn(model, recomputing)
     fn = partial(checkpoint, use_reentrant=False, **({"context_fn": ctx} if ctx is not None else {}))
     for layer in layers:
         layer._gradient_checkpointing_func = fn
@@ -68,10 +70,24 @@ def prepare(model: nn.Module, mode: str, role: str) -> bool:
     return True
 
 
-def _context_fn(model: nn.Module):
-    """The model's own (forward, recompute) contexts, where it has state a recompute must not write twice."""
+def _context_fn(model: nn.Module, recomputing=None):
+    """The (forward, recompute) contexts: the model's own, where it has state a recompute must not write twice,
+    and `recomputing()` around the recompute."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(type(base), "recompute_context", None)
+    own = getattr(type(base), "recompute_context", None)
+    if recomputing is None:
+        return own
+    from contextlib import contextmanager, nullcontext
+
+    @contextmanager
+    def recompute(rec):  # entered by torch.utils.checkpoint at the recompute, not before
+        with rec, recomputing():
+            yield
+
+    def both():
+        fwd, rec = own() if own is not None else (nullcontext(), nullcontext())
+        return fwd, recompute(rec)
+    return both
 
 
 def set_active(model: nn.Module, on: bool) -> None:

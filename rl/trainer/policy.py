@@ -140,7 +140,8 @@ class PolicyTrainer:
         self.frozen_params = freeze_bottom_layers(module, spec.frozen_layers)
         self._packs: dict[int, bool] = {id(module): self.sp is None and packing_enabled(spec.prefix_sharing, module.config, "policy")}
         self._tiles: dict[int, bool] = {id(module): tiling_refusal(module.config) is None}
-        self._ckpt: dict[int, bool] = {id(module): checkpointing.prepare(module, spec.activation_checkpointing, "policy")}
+        rec = self._hooks[id(module)].recomputing if self._hooks[id(module)] else None  # (hooks record no recompute)
+        self._ckpt: dict[int, bool] = {id(module): checkpointing.prepare(module, spec.activation_checkpointing, "policy", rec)}
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
