@@ -318,14 +318,6 @@ class Blinder:
         return p is root and isinstance(root, ast.Lambda) and n.id in _bound_names(root)
 
     # ------------------------------------------------------------------ the analysis
-    def observe_operands(self) -> list[tuple[ast.Call, int]]:
-        out = []
-        for m in self.mods.values():
-            for n in ast.walk(m.tree):
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == OBSERVE_NAME:
-                    out += [(n, i) for i in range(3, len(n.args))]
-        return out
-
     def _call_sites(self) -> dict[tuple[str, str], list[ast.Call] | None]:
         """Calls of each module-level helper; None when it is also used as a value or called with * / **."""
         sites: dict[tuple[str, str], list[ast.Call] | None] = {}
