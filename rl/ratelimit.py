@@ -62,5 +62,10 @@ class RateLimiter:
     def retry_after(wait_s: float) -> str:
         return str(max(1, math.ceil(wait_s)))
 
+    def refusal(self) -> str:
+        """The text a refused request gets (every service that limits answers with it)."""
+        return (f"too many requests from this client: at most {self.per_s:g} per second (bursts of {self.burst}); "
+                "retry after the Retry-After seconds")
+
     def __len__(self) -> int:
         return len(self._buckets)

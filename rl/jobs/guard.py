@@ -90,9 +90,7 @@ class RateGate:
         wait = self.limiter.take(client_id(scope)) if scope["type"] == "http" else None
         if wait is None:
             return await self.app(scope, receive, send)
-        await _refuse(send, 429, f"too many requests from this client: at most {self.limiter.per_s:g} per second "
-                                 f"(bursts of {self.limiter.burst}); retry after the Retry-After seconds",
-                      [(b"retry-after", self.limiter.retry_after(wait).encode())])
+        await _refuse(send, 429, self.limiter.refusal(), [(b"retry-after", self.limiter.retry_after(wait).encode())])
 
 
 class KeyGate:

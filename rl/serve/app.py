@@ -135,8 +135,7 @@ class _Gate:
         if wait is not None:  # refused before the key check and the body: the cheapest answer the server has
             self.service.metrics.requests.labels(route, "429").inc()
             resp = _error_response(path, ApiError(
-                429, f"too many requests from this client: at most {self.limiter.per_s:g} per second "
-                     f"(bursts of {self.limiter.burst}); retry after the Retry-After seconds",
+                429, self.limiter.refusal(),
                 type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": self.limiter.retry_after(wait)}))
             return await resp(scope, receive, send)
         authorised = self._authorised(scope["headers"])
