@@ -42,6 +42,13 @@ class HybridMoeServingError(ValueError):
     """A HybridMoe configuration vLLM cannot serve exactly on this platform."""
 
 
+def serving_dtype(dtype: str, is_cpu: bool) -> str:
+    """The engine dtype of a HybridMoe for `rollout.dtype` ("auto": vLLM's CPU gated-delta kernel needs bf16)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if is_cpu else "float32"
+
+
 def check_servable(hf_config: Any, max_model_len: int, dtype: Any, is_cpu: bool) -> None:
     """Raise HybridMoeServingError naming what is wrong, if this config cannot be served exactly."""
     import torch

@@ -62,11 +62,9 @@ def _serving_problem(cfg, *, cpu: bool) -> str | None:
         return None
     import torch
 
-    from model.vllm_plugin import HybridMoeServingError, check_servable
+    from model.vllm_plugin import HybridMoeServingError, check_servable, serving_dtype
 
-    dtype = cfg.rollout.dtype
-    if dtype == "auto":  # as the engine resolves it (rl/rollout/engine.py)
-        dtype = "bfloat16" if cpu else "float32"
+    dtype = serving_dtype(cfg.rollout.dtype, cpu)  # as the engine resolves it
     try:
         check_servable(hf, cfg.rollout.max_model_len, getattr(torch, dtype), cpu)
     except HybridMoeServingError as e:

@@ -234,10 +234,9 @@ class RolloutEngine:
         if model_type == "hybrid_moe":
             import torch
 
-            from model.vllm_plugin import check_servable
+            from model.vllm_plugin import check_servable, serving_dtype
 
-            if dtype == "auto":  # vLLM's CPU gated-delta kernel needs bf16
-                dtype = "bfloat16" if self._platform_is_cpu() else "float32"
+            dtype = serving_dtype(dtype, self._platform_is_cpu())
             # Refuse up front (before a ~15 s engine start) with the plugin's own message.
             check_servable(hf_config, config.max_model_len, getattr(torch, dtype), self._platform_is_cpu())
         elif dtype == "auto":  # fp32 unless the family's CPU kernels need bf16 (Qwen3-Next's GDN; model/families.py)
