@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rl.trainer.config import resolve_zero_stage
+
 GIB = 1024 ** 3
 
 
@@ -110,7 +112,7 @@ def estimate_run_memory(cfg: Any) -> MemoryNeed:
     r, t = cfg.rollout, cfg.trainer
     on_gpu_engine = r.gpus_per_worker > 0
     engine = r.num_workers * (1.5 + (0 if on_gpu_engine else n * 2 / GIB + r.kv_cache_gib))
-    shard = t.num_workers if t.zero_stage >= 1 else 1
+    shard = t.num_workers if resolve_zero_stage(t.zero_stage, t.num_workers) >= 1 else 1
     per_rank = 3.0 + (0 if t.gpus_per_rank else n * (4 + 12 / shard) / GIB)
     a = cfg.algorithm
     ref = (t.num_workers * (2.2 + (0 if t.gpus_per_rank else n * 4 / GIB))) if (a.kl_coef > 0 or a.kl_in_reward) else 0.0

@@ -12,6 +12,7 @@ import os
 from rl.config import NODE_RESOURCE_UNIT, RunConfig
 from rl.errors import ConfigError
 from rl.log import get_logger
+from rl.trainer.config import resolve_zero_stage
 
 log = get_logger("setup")
 
@@ -38,7 +39,7 @@ def describe_placement(cfg: RunConfig) -> list[str]:
     ray_at = os.environ.get("RAY_ADDRESS") or "a local Ray instance started by the run"
     t = cfg.trainer
     lines = [f"ray: {ray_at}",
-             f"trainer: {t.num_workers} DeepSpeed rank(s) (ZeRO-{t.zero_stage}, {cfg.model.dtype}, "
+             f"trainer: {t.num_workers} DeepSpeed rank(s) (ZeRO-{resolve_zero_stage(t.zero_stage, t.num_workers)}, {cfg.model.dtype}, "
              f"{'NCCL' if t.gpus_per_rank else 'gloo'}), one placement-group bundle each "
              f"{{CPU: {t.cpus_per_rank}{f', GPU: {t.gpus_per_rank}' if t.gpus_per_rank else ''}"
              f"{f', {t.node_resource}: {NODE_RESOURCE_UNIT}' if t.node_resource else ''}}}, packed; "

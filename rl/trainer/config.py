@@ -37,7 +37,10 @@ class TrainerSection:
     # A custom Ray resource every rank's bundle requires ("" = none): ranks go only to nodes started
     # with it, NODE_RESOURCE_UNIT each (see rollout.node_resource)
     node_resource: str = ""
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    # DeepSpeed ZeRO stage. auto: 0 on one rank, 1 on several. On one rank ZeRO-1/2 shard nothing and only add
+    # buffers (a flat fp32 copy of the weights and gradient buckets: ~3 GB for a 373M-parameter fp32 model,
+    # docs/training.md "Long sequences"); the update is the same.
+    zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
     lr: float = 1e-5
     critic_lr: float = 1e-5  # algorithm.advantage = gae
     weight_decay: float = 0.0
@@ -88,6 +91,13 @@ class TrainerSection:
     # ranks (activations per rank / N; two all-to-alls per attention layer); trainer.num_workers / N groups split the
     # batch. Must divide trainer.num_workers; 1 = off.
     sequence_parallel_size: int = 1
+
+
+def resolve_zero_stage(zero_stage: int | str, world_size: int) -> int:
+    """The ZeRO stage a trainer of `world_size` ranks runs for `trainer.zero_stage` (`auto`: 0 alone, else 1)."""
+    if zero_stage == "auto":
+        return 0 if world_size <= 1 else 1
+    return int(zero_stage)
 
 
 def check_lora(lora: LoraSection, sync_transport: str) -> None:

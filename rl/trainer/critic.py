@@ -37,7 +37,7 @@ from torch import nn
 
 from rl.trainer import checkpointing
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, micro_batches, stitch_rows
-from rl.trainer.engine import deepspeed_config, load_policy
+from rl.trainer.engine import deepspeed_config, keep_grad_norm, load_policy
 from rl.trainer.packing import PrefixPack, pack_micro_batch, packed_values, packing_enabled
 from rl.trainer.tiled import head_inputs
 from rl.model_config import ModelSection
@@ -51,7 +51,7 @@ class CriticSpec:
     value_clip: float = AlgorithmSection.value_clip  # <= 0: plain squared error
     weight_decay: float = TrainerSection.weight_decay
     grad_clip: float = TrainerSection.grad_clip
-    zero_stage: int = TrainerSection.zero_stage
+    zero_stage: int | str = TrainerSection.zero_stage  # auto | 0..3 (rl/trainer/config.py resolve_zero_stage)
     micro_batch_size: int = TrainerSection.micro_batch_size
     dtype: str = ModelSection.dtype
     prefix_sharing: str = TrainerSection.prefix_sharing  # auto | on | off, as the policy's (rl/trainer/packing.py)
@@ -121,6 +121,7 @@ class CriticTrainer:
                                       weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         ds_config = deepspeed_config(spec.micro_batch_size, spec.grad_clip, spec.zero_stage, spec.dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+        keep_grad_norm(self.engine)
 
     def _image_inputs(self, mb: TrainBatch) -> dict[str, Any]:
         return image_inputs(mb, self.engine.module.lm.config, "critic's model")

@@ -12,8 +12,14 @@ import torch
 from rl.http_io import free_port
 
 
-def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, dtype: str) -> dict:
-    """The DeepSpeed config of a trainer engine (the policy's and the critic's)."""
+def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int | str, dtype: str) -> dict:
+    """The DeepSpeed config of a trainer engine (the policy's and the critic's); `zero_stage` may be `auto`, resolved
+    against the process group's size (rl/trainer/config.py `resolve_zero_stage`)."""
+    import torch.distributed as dist
+
+    from rl.trainer.config import resolve_zero_stage
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -21,11 +27,30 @@ def deepspeed_config(micro_batch_size: int, grad_clip: float, zero_stage: int, d
         # changes batch sizes); step() is the accumulation boundary.
         "managed_gradient_accumulation": False,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": {"stage": resolve_zero_stage(zero_stage, world)},
         "bf16": {"enabled": dtype == "bfloat16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def keep_grad_norm(engine) -> None:
+    """Make a ZeRO-0 fp32 engine report its pre-clipping gradient norm as the other stages do.
+
+    DeepSpeed 0.19.8 runs ZeRO-0 fp32 clipping through `clip_fp32_gradients`, which drops the norm it computes,
+    so `get_global_grad_norm()` stays None. The engine's model step runs after the step's all-reduce, so the norm
+    of the gradients at that point is the global one; it is computed here just before it (one pass over the grads).
+    """
+    if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return
+    take_step = engine._take_model_step
+
+    def take_step_keeping_norm(lr_kwargs):
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        engine._global_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        take_step(lr_kwargs)
+
+    engine._take_model_step = take_step_keeping_norm
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:

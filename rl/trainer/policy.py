@@ -28,7 +28,7 @@ from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
 from rl.trainer import checkpointing, ulysses
-from rl.trainer.engine import deepspeed_config, init_distributed, load_policy, peak_rss_gb, reset_peak_rss  # noqa: F401
+from rl.trainer.engine import deepspeed_config, init_distributed, keep_grad_norm, load_policy, peak_rss_gb, reset_peak_rss  # noqa: F401
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
 from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
@@ -46,7 +46,7 @@ Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 class TrainerSpec:
     """What the trainer needs from the run config (kept small so tests can build one by hand)."""
 
-    zero_stage: int = TrainerSection.zero_stage
+    zero_stage: int | str = TrainerSection.zero_stage  # auto | 0..3 (rl/trainer/config.py resolve_zero_stage)
     lr: float = TrainerSection.lr
     weight_decay: float = TrainerSection.weight_decay
     grad_clip: float = TrainerSection.grad_clip
@@ -153,6 +153,7 @@ class PolicyTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        keep_grad_norm(self.engine)
         self.step_count = 0
         self.version = 0
         self.reference: torch.nn.Module | None = None

@@ -15,7 +15,7 @@ from tests import REPO
 def test_defaults_load_and_are_typed():
     cfg = load_config()
     assert isinstance(cfg, RunConfig)
-    assert cfg.trainer.zero_stage in (0, 1, 2, 3)
+    assert cfg.trainer.zero_stage in ("auto", 0, 1, 2, 3)
     assert cfg.algorithm.advantage == "grpo"
 
 
@@ -44,7 +44,7 @@ def test_yaml_then_override(tmp_path):
         ("trainr.lr=1", ["trainr", "did you mean 'trainer'"]),
         ("trainer.lr=abc", ["trainer.lr", "'abc'", "number"]),
         ("trainer.steps=1.5", ["trainer.steps", "integer"]),
-        ("trainer.zero_stage=5", ["trainer.zero_stage", "5", "allowed values: 0, 1, 2, 3"]),
+        ("trainer.zero_stage=5", ["trainer.zero_stage", "5", "allowed values: 'auto', 0, 1, 2, 3"]),
         ("trainer.zero_stage=true", ["trainer.zero_stage", "True"]),
         ("algorithm.advantage=grpoo", ["algorithm.advantage", "'grpoo'", "'grpo'", "'rloo'"]),
         ("envs.weights.swee=1", ["envs.weights.swee", "did you mean 'swe'"]),

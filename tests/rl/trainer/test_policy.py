@@ -149,3 +149,45 @@ def test_frozen_layers_keep_the_embeddings_and_bottom_layers_and_train_the_rest(
     assert not set(bottom) & set(r["changed"])          # nothing frozen moved
     assert len(set(top) & set(r["changed"])) > len(top) // 2  # the upper layers trained
     assert r["frozen_params"] == r["frozen_numel"] > 0
+
+
+def _one_rank_step(tmp: str, zero_stage) -> dict:
+    os.environ["JOINTRL_CACHE"] = str(REPO / ".cache")
+    from rl.paths import setup_cache_env
+
+    setup_cache_env()
+    import torch
+
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+    from rl.objective import RLObjective
+    from rl.trainer.policy import PolicyTrainer, TrainerSpec
+
+    torch.manual_seed(0)
+    cfg = load_shipped_config("tiny")
+    HybridMoeForCausalLM(cfg).save_pretrained(f"{tmp}/init")
+    tr = PolicyTrainer(f"{tmp}/init", TrainerSpec(zero_stage=zero_stage, lr=1e-3, micro_batch_size=2, grad_clip=1e-3,
+                                                  routing_replay="off"), RLObjective(router_aux_coef=0.01))
+    batch = _weighted_batch(4, 40, cfg.vocab_size, 2)
+    old_lp, _ = tr.compute_logprobs(batch)
+    m = {}
+    for _ in range(2):  # the second step uses the Adam moments of the first
+        m = tr.train_step(batch.with_(old_logprobs_BT=old_lp))
+    return {"stage": tr.engine.zero_optimization_stage(), "grad_norm": m["train/grad_norm"],
+            "weights": {n: t.clone() for n, t in tr.named_weights()}}
+
+
+def test_auto_zero_stage_on_one_rank_is_stage_0_with_the_update_of_zero_1(tmp_path):
+    """`trainer.zero_stage: auto` runs ZeRO-0 on one rank (ZeRO-1 would shard nothing and only add buffers) and
+    computes the same two clipped AdamW steps as ZeRO-1."""
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        zero1 = pool.apply(_one_rank_step, (str(tmp_path / "z1"), 1))
+    with ctx.Pool(1) as pool:
+        auto = pool.apply(_one_rank_step, (str(tmp_path / "auto"), "auto"))
+    assert zero1["stage"] == 1 and auto["stage"] == 0
+    assert zero1["grad_norm"] > 1e-3  # the clip (1e-3) is active, so both stages clip the same way
+    assert abs(zero1["grad_norm"] - auto["grad_norm"]) <= 1e-5 * zero1["grad_norm"]
+    assert zero1["weights"].keys() == auto["weights"].keys()
+    worst = max(float((zero1["weights"][n] - auto["weights"][n]).abs().max()) for n in zero1["weights"])
+    assert worst <= 1e-6, f"ZeRO-1 and auto (ZeRO-0) differ by {worst:.3g}"
