@@ -6,13 +6,16 @@ For each length L (one episode of L random tokens, the loss on its last half) an
 subprocess builds the trainer, then runs one step: the `PolicyTrainer` update (ZeRO-1, fp32, AdamW) for the
 jointrl settings, and for the floor a bare transformers fwd + bwd + AdamW step with gradient checkpointing and
 the logprobs in 1,024-token tiles. Reported: the step's peak resident memory above the process once the
-model is loaded (Linux VmHWM, reset with /proc/self/clear_refs after loading), tokens/s (L / step time) and the
+model is loaded (Linux VmHWM, reset with /proc/self/clear_refs after loading), the whole process's peak
+(`total GB`: what the trainer is loaded with, a ZeRO-1 engine's flat fp32 copy included, plus the step), tokens/s (L / step time) and the
 step's CPU seconds (process time, all threads: on a shared machine it varies far less than the wall time).
 
-Settings: `today` (full logits, no checkpointing: the trainer before these knobs), `tiles`
-(`trainer.logprob_tile_tokens=1024`), `checkpointing` (`trainer.activation_checkpointing=on`), `default`
-(tiles + `auto`, the shipped config), `all` (tiles + checkpointing on + `trainer.max_tokens_per_micro_batch=L`;
-with one episode the budget changes nothing, it shows it costs nothing), `bare` (the floor).
+Settings: `today` (full logits, no checkpointing, ZeRO-1: the trainer before these knobs), `tiles`
+(`trainer.logprob_tile_tokens=1024`), `checkpointing` (`trainer.activation_checkpointing=on`), `zero-auto`
+(`trainer.zero_stage=auto`: ZeRO-0 on this one rank), each alone on today's; `default` (tiles + checkpointing
+`auto` + ZeRO `auto`, the shipped config), `default-zero1` (the same on ZeRO-1), `all` (the default with
+checkpointing on + `trainer.max_tokens_per_micro_batch=L`; with one episode the budget changes nothing, it shows
+it costs nothing), `bare` (the floor).
 
 A case whose resident memory passes --max-rss-gb is killed (the machine is shared) and reported as such; one
 that passes --timeout, or that leaves the machine less than --min-free-gb available (default 3), likewise.
@@ -41,11 +44,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {
-    "today": dict(logprob_tile_tokens=0, activation_checkpointing="off"),
-    "tiles": dict(logprob_tile_tokens=1024, activation_checkpointing="off"),
-    "checkpointing": dict(logprob_tile_tokens=0, activation_checkpointing="on"),
-    "default": dict(logprob_tile_tokens=1024, activation_checkpointing="auto"),
-    "all": dict(logprob_tile_tokens=1024, activation_checkpointing="on", max_tokens_per_micro_batch=-1),
+    "today": dict(logprob_tile_tokens=0, activation_checkpointing="off", zero_stage=1),
+    "tiles": dict(logprob_tile_tokens=1024, activation_checkpointing="off", zero_stage=1),
+    "checkpointing": dict(logprob_tile_tokens=0, activation_checkpointing="on", zero_stage=1),
+    "zero-auto": dict(logprob_tile_tokens=0, activation_checkpointing="off", zero_stage="auto"),
+    "default-zero1": dict(logprob_tile_tokens=1024, activation_checkpointing="auto", zero_stage=1),
+    "default": dict(logprob_tile_tokens=1024, activation_checkpointing="auto", zero_stage="auto"),
+    "all": dict(logprob_tile_tokens=1024, activation_checkpointing="on", max_tokens_per_micro_batch=-1, zero_stage="auto"),
     "bare": {},
 }
 
@@ -87,7 +92,7 @@ def _case_jointrl(model: str, L: int, setting: str) -> dict:
     fields = dict(SETTINGS[setting])
     if fields.get("max_tokens_per_micro_batch") == -1:
         fields["max_tokens_per_micro_batch"] = L
-    tr = PolicyTrainer(model, TrainerSpec(zero_stage=1, lr=1e-6, micro_batch_size=1, routing_replay="off", **fields),
+    tr = PolicyTrainer(model, TrainerSpec(lr=1e-6, micro_batch_size=1, routing_replay="off", **fields),
                        RLObjective())
     batch = _episode_batch(L, int(tr.module.config.vocab_size))
     base_kb = _status_kb("VmRSS")
@@ -95,7 +100,8 @@ def _case_jointrl(model: str, L: int, setting: str) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     m = tr.train_step(batch)
     dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "tokens_per_s": L / dt, "step_s": dt,
+    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
+            "tokens_per_s": L / dt, "step_s": dt,
             "cpu_s": time.process_time() - c0,
             "loaded_gb": base_kb / 2**20, "loss": m.get("loss/total")}
 
@@ -124,7 +130,8 @@ def _case_bare(model: str, L: int) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "tokens_per_s": L / dt, "step_s": dt,
+    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
+            "tokens_per_s": L / dt, "step_s": dt,
             "cpu_s": time.process_time() - c0,
             "loaded_gb": base_kb / 2**20, "loss": float(loss)}
 
@@ -149,7 +156,8 @@ def _case_dsa(L: int, setting: str) -> dict:
     out, idx_loss = layer(x, cos, sin, compute_indexer_loss=True)
     (out.square().mean() + idx_loss).backward()
     dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "tokens_per_s": L / dt, "step_s": dt,
+    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
+            "tokens_per_s": L / dt, "step_s": dt,
             "cpu_s": time.process_time() - c0,
             "loaded_gb": base_kb / 2**20, "loss": float(idx_loss)}
 
@@ -238,7 +246,7 @@ def main() -> None:
         raise SystemExit(f"--settings: unknown {unknown}; allowed: {', '.join(default)}")
     print(f"model {a.model}, {a.threads} threads, one episode of L tokens, loss on the last half; "
           "peak = resident memory above the loaded model")
-    print(f"{'length':>7} {'setting':<14} {'peak GB':>8} {'tokens/s':>9} {'step s':>8} {'cpu s':>8}  status")
+    print(f"{'length':>7} {'setting':<14} {'peak GB':>8} {'total GB':>8} {'tokens/s':>9} {'step s':>8} {'cpu s':>8}  status")
     longest = 0
     if a.dsa:
         print("one Gated DSA layer (tiny HybridMoe), forward + backward with its indexer loss")
@@ -251,10 +259,11 @@ def main() -> None:
             if ok and s in SETTINGS and s != "bare":
                 longest = max(longest, L)
             peak = f"{r['peak_gb']:8.2f}" if ok else f"{'>' + format(r['rss_gb'], '.1f'):>8}"
+            total = f"{r['total_gb']:8.2f}" if ok else f"{'-':>8}"
             tps = f"{r['tokens_per_s']:9.1f}" if ok else f"{'-':>9}"
             step = f"{r['step_s']:8.1f}" if ok else f"{'-':>8}"
             cpu = f"{r['cpu_s']:8.1f}" if ok else f"{'-':>8}"
-            print(f"{L:>7} {s:<14} {peak} {tps} {step} {cpu}  {r['status']}", flush=True)
+            print(f"{L:>7} {s:<14} {peak} {total} {tps} {step} {cpu}  {r['status']}", flush=True)
     if not a.dsa:
         print(f"longest trainable: {longest} tokens")
 

@@ -32,9 +32,10 @@ def test_bench_long_rows_and_longest_trainable(tmp_path):
     torch.manual_seed(0)
     HybridMoeForCausalLM(load_shipped_config("tiny")).save_pretrained(tmp_path / "tiny")
     out = _bench("--model", str(tmp_path / "tiny"), "--lengths", "32,64", "--settings", "all,bare")
-    rows = re.findall(r"^\s*(\d+) (\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+ok$", out, re.M)
+    rows = re.findall(r"^\s*(\d+) ([\w-]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+ok$", out, re.M)
     assert [(int(L), s) for L, s, *_ in rows] == [(32, "all"), (32, "bare"), (64, "all"), (64, "bare")], out
     assert all(float(tps) > 0 and float(step) > 0 and float(cpu) > 0 for *_, tps, step, cpu in rows)
+    assert all(float(total) > float(peak) for _, _, peak, total, *_ in rows)  # the whole process holds the model too
     assert out.strip().splitlines()[-1] == "longest trainable: 64 tokens"
     capped = _bench("--model", str(tmp_path / "tiny"), "--lengths", "64", "--settings", "today", "--max-rss-gb", "0.05")
     assert re.search(r"^\s*64 today .* over 0.05 GB$", capped, re.M), capped
