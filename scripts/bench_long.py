@@ -20,8 +20,7 @@ it costs nothing), `bare` (the floor).
 A case whose resident memory passes --max-rss-gb is killed (the machine is shared) and reported as such; one
 that passes --timeout, or that leaves the machine less than --min-free-gb available (default 3), likewise.
 The last line is `longest trainable: N tokens`: the longest length at which some jointrl setting completed.
-TRL's GRPOTrainer is not run here (scripts/bench_trl.py compares it at short lengths). Threads: --threads
-(default 2).
+Threads: --threads (default 2).
 
     .venv/bin/python scripts/bench_long.py --dsa --lengths 4096,16384,32768 [--settings dense,sparse]
 
@@ -52,6 +51,7 @@ SETTINGS = {
     "default": dict(logprob_tile_tokens=1024, activation_checkpointing="auto", zero_stage="auto"),
     "all": dict(logprob_tile_tokens=1024, activation_checkpointing="on", max_tokens_per_micro_batch=-1, zero_stage="auto"),
     "bare": {},
+    "trl": {},
 }
 
 
@@ -136,6 +136,52 @@ def _case_bare(model: str, L: int) -> dict:
             "loaded_gb": base_kb / 2**20, "loss": float(loss)}
 
 
+def _case_trl(model: str, L: int) -> dict:
+    """TRL's GRPOTrainer on the same episode, in TRL's own venv (imports nothing of this repository): its loss
+    (`compute_loss`: the completion's full-vocabulary logits, then `selective_log_softmax`), accelerate's backward
+    and its AdamW step, with GRPOConfig's defaults (gradient checkpointing on) except the loss type (`grpo`, jointrl's
+    `seq_mean_token_mean`) and no KL. Generation is skipped: the prompt is the first half, the completion the last."""
+    import tempfile as tf
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model)
+    args = GRPOConfig(output_dir=tf.mkdtemp(), per_device_train_batch_size=2, num_generations=2, loss_type="grpo",
+                      beta=0.0, learning_rate=1e-6, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, use_cpu=True,
+                      bf16=False, max_completion_length=L - L // 2, report_to="none", save_strategy="no",
+                      disable_tqdm=True)
+    tr = GRPOTrainer(model=m, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                     train_dataset=Dataset.from_list([{"prompt": "x"}] * 2), processing_class=tok)
+    if args.gradient_checkpointing:  # what transformers' Trainer does when train() starts
+        tr.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or None)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1
+    opt = tr.create_optimizer()
+    g = torch.Generator().manual_seed(0)  # the ids _episode_batch draws
+    ids = torch.randint(11, int(m.config.vocab_size), (L,), generator=g)[None]
+    half = L // 2
+    inputs = {"prompt_ids": ids[:, :half], "prompt_mask": torch.ones_like(ids[:, :half]),
+              "completion_ids": ids[:, half:], "completion_mask": torch.ones_like(ids[:, half:]),
+              "advantages": torch.tensor([1.0])}
+    base_kb = _status_kb("VmRSS")
+    _reset_peak()
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = tr.compute_loss(tr.model, inputs)
+    tr.accelerator.backward(loss)
+    torch.nn.utils.clip_grad_norm_(tr.model.parameters(), args.max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
+            "tokens_per_s": L / dt, "step_s": dt, "cpu_s": time.process_time() - c0,
+            "loaded_gb": base_kb / 2**20, "loss": float(loss),
+            "gradient_checkpointing": bool(args.gradient_checkpointing)}
+
+
 def _case_dsa(L: int, setting: str) -> dict:
     import torch
 
@@ -165,6 +211,14 @@ def _case_dsa(L: int, setting: str) -> dict:
 DSA_SETTINGS = ("sparse", "dense", "sparse-oneshot", "dense-oneshot")
 
 
+def _trl_python() -> Path:
+    """TRL's own venv (scripts/bench_trl.py builds it on first use from its pins)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_trl import ensure_trl_venv
+
+    return ensure_trl_venv()
+
+
 def _available_gb() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -178,7 +232,8 @@ def run_case(model: str, L: int, setting: str, threads: int, timeout: float, max
     """One case in a fresh subprocess, killed past `max_rss_gb` resident or `timeout` seconds, or when the
     machine's available memory falls under `min_free_gb` (other jobs share it)."""
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--case", setting, "--length", str(L), "--model", model,
+        python = str(_trl_python()) if setting == "trl" else sys.executable
+        cmd = [python, __file__, "--case", setting, "--length", str(L), "--model", model,
                "--threads", str(threads), "--out", out.name]
         p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         t0, peak, why = time.time(), 0.0, None
@@ -223,6 +278,12 @@ def main() -> None:
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.case == "trl":  # TRL's venv: nothing of this repository
+        import torch
+
+        torch.set_num_threads(a.threads)
+        Path(a.out).write_text(json.dumps(_case_trl(a.model, a.length)))
+        return
     if a.case:  # the subprocess of one case
         os.environ.setdefault("JOINTRL_CACHE", str(REPO / ".cache"))
         sys.path.insert(0, str(REPO))
@@ -256,7 +317,7 @@ def main() -> None:
                 continue
             r = run_case(a.model, L, s, a.threads, a.timeout, a.max_rss_gb, a.min_free_gb)
             ok = r["status"] == "ok"
-            if ok and s in SETTINGS and s != "bare":
+            if ok and s in SETTINGS and s not in ("bare", "trl"):
                 longest = max(longest, L)
             peak = f"{r['peak_gb']:8.2f}" if ok else f"{'>' + format(r['rss_gb'], '.1f'):>8}"
             total = f"{r['total_gb']:8.2f}" if ok else f"{'-':>8}"
