@@ -37,7 +37,7 @@ from torch import nn
 
 from rl.trainer import checkpointing
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, micro_batches, stitch_rows
-from rl.trainer.engine import deepspeed_config, keep_grad_norm, load_policy
+from rl.trainer.engine import check_resume_stage, deepspeed_config, keep_grad_norm, load_policy
 from rl.trainer.packing import PrefixPack, pack_micro_batch, packed_values, packing_enabled
 from rl.trainer.tiled import head_inputs
 from rl.model_config import ModelSection
@@ -187,4 +187,5 @@ class CriticTrainer:
         self.engine.save_checkpoint(str(ckpt_dir), tag="critic")
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> None:
+        check_resume_stage(self.engine, ckpt_dir, "critic")
         self.engine.load_checkpoint(str(ckpt_dir), tag="critic")

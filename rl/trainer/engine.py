@@ -53,6 +53,24 @@ def keep_grad_norm(engine) -> None:
     engine._take_model_step = take_step_keeping_norm
 
 
+def check_resume_stage(engine, ckpt_dir: str | os.PathLike[str], tag: str) -> None:
+    """Refuse, naming `trainer.zero_stage`, to resume a checkpoint saved under ZeRO-0 into a ZeRO-1/2/3 engine or the
+    other way round: DeepSpeed keeps the optimizer state in different files for the two (`zero_pp_rank_*` for ZeRO,
+    the model-states file for ZeRO-0) and would fail with an unrelated error. (`auto` is 0 on one rank, 1 on several.)"""
+    from pathlib import Path
+
+    state = Path(ckpt_dir) / tag
+    if not state.is_dir():
+        return
+    saved_zero = any(state.glob("zero_pp_rank_*optim_states.pt"))
+    now = engine.zero_optimization_stage()
+    if saved_zero != (now > 0):
+        was = "ZeRO-1, 2 or 3" if saved_zero else "ZeRO-0"
+        raise ValueError(f"config key 'trainer.zero_stage': the checkpoint {state} was saved under {was} and this trainer "
+                         f"runs ZeRO-{now}; resume with trainer.zero_stage set to the stage it was saved with "
+                         f"({'1, 2 or 3' if saved_zero else '0'}; 'auto' is 0 on one rank and 1 on several)")
+
+
 def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
     """Bring up torch.distributed the way DeepSpeed expects, without a launcher (docs/platform.md)."""
     import deepspeed

@@ -28,7 +28,8 @@ from model.families import RouterHooks, family_of
 from model.shipped import copy_tokenizer
 from rl.log import get_logger
 from rl.trainer import checkpointing, ulysses
-from rl.trainer.engine import deepspeed_config, init_distributed, keep_grad_norm, load_policy, peak_rss_gb, reset_peak_rss  # noqa: F401
+from rl.trainer.engine import (check_resume_stage, deepspeed_config, init_distributed, keep_grad_norm,  # noqa: F401
+                               load_policy, peak_rss_gb, reset_peak_rss)
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
 from rl.trainer.lora import LoraSpec
 from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
@@ -593,6 +594,7 @@ class PolicyTrainer:
             (Path(ckpt_dir) / "trainer_meta.json").write_text(json.dumps({"step_count": self.step_count, "version": self.version}))
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike[str]) -> dict:
+        check_resume_stage(self.engine, ckpt_dir, "state")
         _, state = self.engine.load_checkpoint(str(ckpt_dir), tag="state", load_module_strict=not self.spec.lora.enabled)
         state = state or {}
         self.step_count = int(state.get("step_count", 0))

@@ -191,3 +191,44 @@ def test_auto_zero_stage_on_one_rank_is_stage_0_with_the_update_of_zero_1(tmp_pa
     assert zero1["weights"].keys() == auto["weights"].keys()
     worst = max(float((zero1["weights"][n] - auto["weights"][n]).abs().max()) for n in zero1["weights"])
     assert worst <= 1e-6, f"ZeRO-1 and auto (ZeRO-0) differ by {worst:.3g}"
+
+
+def _save_or_resume(tmp: str, zero_stage, save: bool) -> str:
+    os.environ["JOINTRL_CACHE"] = str(REPO / ".cache")
+    from rl.paths import setup_cache_env
+
+    setup_cache_env()
+    import torch
+
+    from model.modeling import HybridMoeForCausalLM
+    from model.shipped import load_shipped_config
+    from rl.objective import RLObjective
+    from rl.trainer.policy import PolicyTrainer, TrainerSpec
+
+    torch.manual_seed(0)
+    cfg = load_shipped_config("tiny")
+    if save:
+        HybridMoeForCausalLM(cfg).save_pretrained(f"{tmp}/init")
+    tr = PolicyTrainer(f"{tmp}/init", TrainerSpec(zero_stage=zero_stage, lr=1e-3, micro_batch_size=2, routing_replay="off"),
+                       RLObjective())
+    if save:
+        tr.save_checkpoint(f"{tmp}/ckpt")
+        return "saved"
+    try:
+        tr.load_checkpoint(f"{tmp}/ckpt")
+    except ValueError as e:
+        return str(e)
+    return "resumed"
+
+
+def test_a_zero_1_checkpoint_resumed_under_zero_0_is_refused_naming_the_key(tmp_path):
+    """DeepSpeed keeps ZeRO-0's and ZeRO-1's optimizer state in different files; resuming across them names the key."""
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_save_or_resume, (str(tmp_path), 1, True)) == "saved"
+    with ctx.Pool(1) as pool:
+        refused = pool.apply(_save_or_resume, (str(tmp_path), "auto", False))
+    with ctx.Pool(1) as pool:
+        resumed = pool.apply(_save_or_resume, (str(tmp_path), 1, False))
+    assert "config key 'trainer.zero_stage'" in refused and "ZeRO-0" in refused and "1, 2 or 3" in refused, refused
+    assert resumed == "resumed"
