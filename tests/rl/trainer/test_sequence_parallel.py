@@ -1,19 +1,22 @@
-"""`trainer.sequence_parallel_size` (rl/trainer/ulysses.py, model/sequence_parallel.py): a sequence split over 2 trainer
-ranks gives the update of 1 rank, as tests/rl/trainer/test_group.py checks for data-parallel ranks.
+"""`trainer.sequence_parallel_size` (rl/trainer/ulysses.py, model/sequence_parallel.py): a sequence split over N = 2
+trainer ranks gives the update of 1 rank, as tests/rl/trainer/test_group.py checks for data-parallel ranks.
 
-Real DeepSpeed engines (ZeRO-1, gloo all_to_all / all_gather on CPU), real processes (torch.distributed is
-process-global): one rank, then two ranks with sequence_parallel_size = 2 (world 2 = one sequence-parallel group,
-data-parallel size 1), on
+Real DeepSpeed engines (gloo all_to_all / all_gather on CPU), real processes (torch.distributed is process-global):
+one rank, then 2 ranks (one sequence-parallel group, data-parallel size 1) at ZeRO-1, 2 and 3 and with LoRA, and
+4 ranks (two groups, data-parallel size 2, each group with the rows TrainerGroup deals it), on
 - a tiny random Mixtral (2 heads, 1 KV head: DeepSpeed's `UlyssesSPAttentionHF` replicates the KV head), R2 replay;
 - the tiny HybridMoe with its three gated delta layers and a sparse DSA layer (top-16 keys of ~90-token rows) with
   the indexer loss on, R2 replay;
 each with a KL reference, tiled logprobs (tiles of 16 tokens) and activation checkpointing on (the recompute repeats
 the collectives). Checked: the old-policy logprobs, recorded routes and reference logprobs of the loss tokens, the
-weights after one AdamW step (to 1e-5), the grad norm, the step's row and token counts."""
+weights after one AdamW step (to 1e-5; with LoRA the merged weights and the adapters), the grad norm, the step's
+row and token counts. The first AdamW step moves each weight by about lr * sign(grad), so the weights mostly check
+the gradients' signs and the grad norm (to 1e-4) their size."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -37,7 +40,20 @@ def _episodes(vocab: int):
     return eps
 
 
-def _rank(rank: int, world: int, port: int, tmp: str, q) -> None:
+@dataclass(frozen=True)
+class Case:
+    """One trainer a rank builds: a model at a ZeRO stage, fully fine-tuned or with LoRA adapters."""
+
+    model: str  # "mixtral" (vocab 512) or "hybrid" (vocab 8192)
+    zero_stage: int = 1
+    lora_rank: int = 0
+
+    @property
+    def vocab(self) -> int:
+        return 512 if self.model == "mixtral" else 8192
+
+
+def _rank(rank: int, world: int, sp: int, port: int, tmp: str, cases: tuple[Case, ...], q) -> None:
     try:
         os.environ["JOINTRL_CACHE"] = str(REPO / ".cache")
         from rl.paths import setup_cache_env
@@ -47,29 +63,39 @@ def _rank(rank: int, world: int, port: int, tmp: str, q) -> None:
 
         from rl.algos import aggregation_weights
         from rl.objective import RLObjective
-        from rl.trainer.batch import collate
+        from rl.trainer.batch import collate, micro_rows
+        from rl.trainer.group import TrainerGroup
+        from rl.trainer.lora import LoraSpec, adapter_state
         from rl.trainer.policy import PolicyTrainer, TrainerSpec
 
         torch.set_num_threads(1)
         out = {}
-        for name, vocab in (("mixtral", 512), ("hybrid", 8192)):
-            init = f"{tmp}/{name}"
-            spec = TrainerSpec(zero_stage=1, lr=1e-3, micro_batch_size=2, routing_replay="r2", logprob_tile_tokens=16,
-                               activation_checkpointing="on", sequence_parallel_size=world)
+        for case in cases:
+            init = f"{tmp}/{case.model}"
+            spec = TrainerSpec(zero_stage=case.zero_stage, lr=1e-3, micro_batch_size=2, routing_replay="r2",
+                               logprob_tile_tokens=16, activation_checkpointing="on", sequence_parallel_size=sp,
+                               lora=LoraSpec(rank=case.lora_rank, targets=("attention", "experts")))
             tr = PolicyTrainer(init, spec, RLObjective(router_aux_coef=0.01, kl_coef=0.1), rank=rank, world_size=world,
                                master_port=port)
             tr.load_reference(init)
-            batch = collate(_episodes(vocab), [1.0, -1.0, 0.5, -0.5], domains=("a", "b"))
-            w, _ = aggregation_weights("domain_token_mean", batch.loss_mask_BT > 0, domain_ids_B=batch.domain_ids_B)
-            batch = batch.with_(loss_weights_BT=w)
-            old, routes = tr.compute_logprobs(batch)
+            full = collate(_episodes(case.vocab), [1.0, -1.0, 0.5, -0.5], domains=("a", "b"))
+            w, _ = aggregation_weights("domain_token_mean", full.loss_mask_BT > 0, domain_ids_B=full.domain_ids_B)
+            full = full.with_(loss_weights_BT=w)
+            # This rank's rows as TrainerGroup deals them (a group's ranks share its rows) and the common
+            # micro-batch count of the data-parallel groups.
+            parts = TrainerGroup([None] * world, 2, None, sequence_parallel_size=sp)._rank_parts(full)
+            rows, n_micro = parts[rank], max(len(micro_rows(full.select(p), 2)) for p in parts)
+            batch = full.select(rows)
+            old, routes = tr.compute_logprobs(batch, n_micro)
             ref = tr.reference_logprobs(batch)
             b = batch.with_(old_logprobs_BT=old, ref_logprobs_BT=ref, routed_experts_BTLK=routes, routes_from="trainer")
-            m = tr.train_step(b)
-            mask = batch.loss_mask_BT > 0
-            out[name] = {"old": old[mask].numpy(), "ref": ref[mask].numpy(),  # numpy: sent by value, not by fd
-                         "routes": routes[batch.attention_mask_BT > 0].numpy(),
-                         "weights": {n: t.numpy().copy() for n, t in tr.named_weights()}, "metrics": m}
+            m = tr.train_step(b, n_micro)
+            weights = {n: t.numpy().copy() for n, t in tr.named_weights()}
+            if case.lora_rank:  # the trained tensors themselves, besides the merged weights
+                weights.update({n: t.numpy().copy() for n, t in adapter_state(tr.module, case.zero_stage == 3).items()})
+            whole = [_whole(x, rows, full.num_seqs) for x in (old, ref, routes)]
+            out[case] = dict(zip(("old", "ref", "routes"), whole), rows=rows, weights=weights, metrics=m)
+            del tr
         q.put(((world, rank), out))
     except BaseException as e:  # pragma: no cover - reported by the parent
         import traceback
@@ -77,14 +103,23 @@ def _rank(rank: int, world: int, port: int, tmp: str, q) -> None:
         q.put(((world, rank), {"error": traceback.format_exc() + repr(e)}))
 
 
-def _worlds(worlds: tuple[int, ...], tmp: str) -> list[list[dict]]:
-    """Each world's ranks' results (rank order), the worlds run at the same time."""
+def _whole(x_B, rows: list[int], B: int):
+    """A rank's per-row result back at its rows of the B-row step batch (zeros elsewhere), as numpy (sent between
+    processes by value, not by file descriptor)."""
+    import torch
+
+    return x_B.new_zeros(B, *x_B.shape[1:]).index_copy(0, torch.tensor(rows), x_B).numpy()
+
+
+def _worlds(worlds: tuple[tuple[int, int, tuple[Case, ...]], ...], tmp: str) -> list[list[dict]]:
+    """Each (world size, sequence_parallel_size, cases)'s ranks' results (rank order), the worlds run at the same
+    time."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []
-    for w in worlds:
+    for w, sp, cases in worlds:
         port = free_port()
-        procs += [ctx.Process(target=_rank, args=(r, w, port, tmp, q)) for r in range(w)]
+        procs += [ctx.Process(target=_rank, args=(r, w, sp, port, tmp, cases, q)) for r in range(w)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=600) for _ in procs)
@@ -92,12 +127,10 @@ def _worlds(worlds: tuple[int, ...], tmp: str) -> list[list[dict]]:
         p.join(timeout=60)
     for key, res in got.items():
         assert "error" not in res, f"rank {key[1]} of {key[0]}: {res['error']}"
-    return [[got[(w, r)] for r in range(w)] for w in worlds]
+    return [[got[(w, r)] for r in range(w)] for w, _, _ in worlds]
 
 
-@pytest.mark.slow
-def test_two_ranks_sharing_each_sequence_compute_the_one_rank_update(tmp_path):
-    import numpy as np
+def _models(tmp_path) -> None:
     import torch
 
     from model.modeling import HybridMoeForCausalLM
@@ -110,27 +143,79 @@ def test_two_ranks_sharing_each_sequence_compute_the_one_rank_update(tmp_path):
     cfg.index_topk, cfg.indexer_loss_coef = 16, 0.1  # sparse DSA and its indexer loss on these rows
     HybridMoeForCausalLM(cfg).save_pretrained(tmp_path / "hybrid")
 
-    (one,), two = _worlds((1, 2), str(tmp_path))  # side by side: 3 processes
-    for name in ("mixtral", "hybrid"):
-        a = one[name]
+
+def _same_update(a: dict, b: dict, what: str) -> float:
+    """Assert that run `b` (a rank's rows) made the update of run `a` (1 rank, every row) to 1e-5: the logprobs
+    and reference logprobs of the loss tokens, the recorded routes of the real tokens, the grad norm and the
+    weights after the step. Returns the largest weight difference."""
+    import numpy as np
+
+    rows = b["rows"]
+    mask = _episode_mask()[rows] > 0
+    lp = max(float(np.abs(a[k][rows][mask] - b[k][rows][mask]).max()) for k in ("old", "ref"))
+    assert len(rows) and lp <= 1e-5, f"{what}: logprobs differ from 1 rank's by {lp:.3g}"
+    real = _episode_mask(attention=True)[rows] > 0
+    assert np.array_equal(a["routes"][rows][real], b["routes"][rows][real]), what
+    assert a["weights"].keys() == b["weights"].keys(), what
+    worst = max(float(np.abs(a["weights"][n] - b["weights"][n]).max()) for n in a["weights"])
+    print(f"{what}: max |logprobs - 1 rank's| = {lp:.3g}, |weights - 1 rank's| = {worst:.3g}; grad norm "
+          f"{b['metrics']['train/grad_norm']:.6g} vs {a['metrics']['train/grad_norm']:.6g}")
+    assert worst <= 1e-5, f"{what}: differs from 1 rank by {worst:.3g}"
+    assert b["metrics"]["train/grad_norm"] == pytest.approx(a["metrics"]["train/grad_norm"], rel=1e-4), what
+    return worst
+
+
+def _episode_mask(attention: bool = False):
+    """The loss mask (or attention mask) [4, T] of `_episodes`' batch (the same for both vocabularies)."""
+    from rl.trainer.batch import collate
+
+    batch = collate(_episodes(512), [0.0] * 4)
+    return (batch.attention_mask_BT if attention else batch.loss_mask_BT).numpy()
+
+
+@pytest.mark.slow
+def test_two_ranks_sharing_each_sequence_compute_the_one_rank_update(tmp_path):
+    """One group of 2 (data-parallel size 1): both models at ZeRO-1, the Mixtral at ZeRO-2, the HybridMoe at
+    ZeRO-3 (parameters gathered by hooks inside the sharded forward, the backward and its recompute) and the
+    Mixtral with LoRA adapters (q/k/v/o and the fused experts, rank 4), each against one rank."""
+    _models(tmp_path)
+    lora = Case("mixtral", lora_rank=4)
+    base = (Case("mixtral"), Case("hybrid"), lora)
+    cases = base + (Case("mixtral", zero_stage=2), Case("hybrid", zero_stage=3))
+    (one,), two = _worlds(((1, 1, base), (2, 2, cases)), str(tmp_path))  # side by side: 3 processes
+    for case in cases:
+        a = one[Case(case.model, lora_rank=case.lora_rank)]
         for rank, b in enumerate(two):
-            b = b[name]
-            assert float(np.abs(a["old"] - b["old"]).max()) <= 1e-5, (name, rank)
-            assert float(np.abs(a["ref"] - b["ref"]).max()) <= 1e-5, (name, rank)
-            assert np.array_equal(a["routes"], b["routes"]), (name, rank)
-            assert a["weights"].keys() == b["weights"].keys()
-            worst = max(float(np.abs(a["weights"][n] - b["weights"][n]).max()) for n in a["weights"])
-            print(f"{name} rank {rank}: max |1 rank - 2 ranks (sp 2)| = {worst:.3g}; grad norm "
-                  f"{a['metrics']['train/grad_norm']:.6g} vs {b['metrics']['train/grad_norm']:.6g}")
-            assert worst <= 1e-5, f"{name}: 1 rank vs sp=2 rank {rank} differ by {worst:.3g}"
-            assert b["metrics"]["train/grad_norm"] == pytest.approx(a["metrics"]["train/grad_norm"], rel=1e-4)
+            _same_update(a, b[case], f"{case} rank {rank} of 2 (sp 2)")
         # The group's first rank reports the rows and tokens; the other reports none (they are the same rows).
-        assert two[0][name]["metrics"]["train/seqs"] == a["metrics"]["train/seqs"] == 4
-        assert two[0][name]["metrics"]["train/tokens"] == a["metrics"]["train/tokens"]
-        assert two[1][name]["metrics"]["train/seqs"] == 0.0
-    if "dsa/indexer_loss" in one["hybrid"]["metrics"]:
-        assert two[0]["hybrid"]["metrics"]["dsa/indexer_loss"] == pytest.approx(one["hybrid"]["metrics"]["dsa/indexer_loss"],
-                                                                                 rel=1e-4)
+        assert two[0][case]["metrics"]["train/seqs"] == a["metrics"]["train/seqs"] == 4
+        assert two[0][case]["metrics"]["train/tokens"] == a["metrics"]["train/tokens"]
+        assert two[1][case]["metrics"]["train/seqs"] == 0.0
+    hybrid = Case("hybrid")
+    assert "dsa/indexer_loss" in one[hybrid]["metrics"]
+    for case in (hybrid, Case("hybrid", zero_stage=3)):
+        assert two[0][case]["metrics"]["dsa/indexer_loss"] == pytest.approx(one[hybrid]["metrics"]["dsa/indexer_loss"],
+                                                                            rel=1e-4)
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_ranks_compute_the_one_rank_update(tmp_path):
+    """4 ranks, sequence_parallel_size 2: two groups (ranks 0-1 and 2-3), each with the 2 rows TrainerGroup deals
+    it, data-parallel over the groups: the HybridMoe at ZeRO-1, the Mixtral at ZeRO-3 (its parameter gathers and
+    head tiles span both groups, whose micro-batches differ in width)."""
+    _models(tmp_path)
+    cases = (Case("hybrid"), Case("mixtral", zero_stage=3))
+    (one,), four = _worlds(((1, 1, (Case("hybrid"), Case("mixtral"))), (4, 2, cases)), str(tmp_path))  # 5 processes
+    for case in cases:
+        a = one[Case(case.model)]
+        for rank, b in enumerate(four):
+            _same_update(a, b[case], f"{case} rank {rank} of 4 (sp 2)")
+        assert four[0][case]["rows"] == four[1][case]["rows"] and four[2][case]["rows"] == four[3][case]["rows"]
+        assert sorted(four[0][case]["rows"] + four[2][case]["rows"]) == [0, 1, 2, 3]
+        # Each group's first rank reports its rows and tokens, so the ranks' sums are the step's.
+        for key in ("train/seqs", "train/tokens"):
+            assert [four[r][case]["metrics"][key] > 0 for r in range(4)] == [True, False, True, False]
+            assert sum(four[r][case]["metrics"][key] for r in range(4)) == a["metrics"][key]
 
 
 def test_refusals_name_the_key_and_the_reason():
