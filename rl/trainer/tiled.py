@@ -77,6 +77,15 @@ def _logprobs(head: nn.Module, h_ND: torch.Tensor, targets_N: torch.Tensor) -> t
     return logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
 
 
+def _frozen_zero3(head: nn.Module) -> bool:
+    """Whether ZeRO-3 partitions the head's weights and they do not train (a LoRA policy, a tied head under
+    trainer.frozen_layers). DeepSpeed 0.19.8 does not gather such a module's weights again when a checkpointed tile
+    is recomputed in the backward (the recompute sees the [0] placeholder and torch.utils.checkpoint refuses it), so
+    its tiles run without checkpointing: exact, with the memory of the full logits."""
+    params = list(head.parameters())
+    return bool(params) and all(hasattr(p, "ds_id") and not p.requires_grad for p in params)
+
+
 def chunked_logprobs(head: nn.Module, h_ND: torch.Tensor, targets_N: torch.Tensor, tile_tokens: int) -> torch.Tensor:
     """log p(targets_N[n] | h_ND[n]) [N] through `head`, `tile_tokens` rows at a time; each tile of a forward
     that records a graph is checkpointed (its logits are recomputed in the backward, one tile at a time).
@@ -87,11 +96,12 @@ def chunked_logprobs(head: nn.Module, h_ND: torch.Tensor, targets_N: torch.Tenso
     if n_tiles == 1:
         return _logprobs(head, h_ND, targets_N)
     grad = torch.is_grad_enabled() and (h_ND.requires_grad or any(p.requires_grad for p in head.parameters()))
+    checkpointed = grad and not _frozen_zero3(head)
     parts = []
     for i in range(n_tiles):  # tiles past the rows are empty: calls that keep ZeRO-3's gathers in step
         s = min(i * tile_tokens, N)
         h, y = h_ND[s:s + tile_tokens], targets_N[s:s + tile_tokens]
-        parts.append(checkpoint(_logprobs, head, h, y, use_reentrant=False) if grad else _logprobs(head, h, y))
+        parts.append(checkpoint(_logprobs, head, h, y, use_reentrant=False) if checkpointed else _logprobs(head, h, y))
     return torch.cat(parts)
 
 
