@@ -31,6 +31,7 @@ from rl.trainer import checkpointing, ulysses
 from rl.trainer.engine import (check_resume_stage, deepspeed_config, init_distributed, keep_grad_norm,  # noqa: F401
                                load_policy, peak_rss_gb, reset_peak_rss)
 from rl.trainer.batch import MicroBatching, TrainBatch, image_inputs, logits_window, micro_batches, stitch_rows, token_logprobs
+from rl.trainer.freeze import freeze_bottom_layers
 from rl.trainer.lora import LoraSpec
 from rl.trainer.packing import (PrefixPack, logit_nodes, pack_micro_batch, pack_routes, packed_logprobs,  # noqa: F401
                                 packing_enabled, unpack_routes)
@@ -58,7 +59,7 @@ class TrainerSpec:
     routing_replay: str = ModelSection.routing_replay  # auto | r3 | r2 | off
     freeze_router_bias: bool = ModelSection.freeze_router_bias
     lora: LoraSpec = LoraSpec()  # rank 0: full fine-tuning; else only peft adapters train (rl/trainer/lora.py)
-    frozen_layers: int = TrainerSection.frozen_layers  # the input embeddings and decoder layers [0, N) do not train (see freeze_bottom_layers)
+    frozen_layers: int = TrainerSection.frozen_layers  # the input embeddings and decoder layers [0, N) do not train (rl/trainer/freeze.py)
     prefix_sharing: str = TrainerSection.prefix_sharing  # auto | on | off: pack a group's shared prompt as a token tree (rl/trainer/packing.py)
     logprob_tile_tokens: int = TrainerSection.logprob_tile_tokens  # logprobs from the head in tiles of this many tokens (rl/trainer/tiled.py); 0: full logits
     activation_checkpointing: str = TrainerSection.activation_checkpointing  # off | on | auto (rl/trainer/checkpointing.py)
@@ -68,35 +69,6 @@ class TrainerSpec:
     @property
     def micro(self) -> MicroBatching:
         return MicroBatching(self.micro_batch_size, self.max_tokens_per_micro_batch)
-
-
-def decoder_layers(m: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layer stack of a causal LM (HF's `model.layers` convention; HybridMoe follows it), also
-    under a peft wrapper."""
-    base = m.get_base_model() if hasattr(m, "get_base_model") else m
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(base).__name__} has no model.layers stack; trainer.frozen_layers needs one")
-    return layers
-
-
-def freeze_bottom_layers(m: torch.nn.Module, n: int) -> int:
-    """Stop the input embeddings and the first `n` decoder layers from training; returns the number of
-    parameters frozen. Backward then stops at layer n (nothing below needs a gradient) and the optimizer
-    holds no moments for them: on CPU, training the top half costs about half the backward pass.
-    With tied input/output embeddings (SmolLM2) the LM head is the embedding matrix and freezes with it."""
-    if n <= 0:
-        return 0
-    layers = decoder_layers(m)
-    if n > len(layers):
-        raise ValueError(f"trainer.frozen_layers={n} but the model has {len(layers)} decoder layers")
-    frozen = [*m.get_input_embeddings().parameters(), *(p for layer in layers[:n] for p in layer.parameters())]
-    count = 0
-    for p in frozen:
-        if p.requires_grad:
-            p.requires_grad_(False)
-            count += p.numel()
-    return count
 
 
 def supports_routing_replay(m: torch.nn.Module) -> bool:
