@@ -108,7 +108,7 @@ def test_dry_run_checks_ids_and_names_with_suggestions(capsys):
     assert rc == 2 and "trainer.sft_data" in err
 
 
-def test_dry_run_refuses_what_the_engine_would_refuse_for_the_hybrid_moe(capsys):
+def test_dry_run_refuses_what_the_engine_would_refuse_for_the_hybrid_moe(capsys, tmp_path):
     """The engine refuses a HybridMoe whose DSA layers it would serve inexactly (max_model_len past index_topk) or
     in fp32 on CPU; the dry run says so before anything starts, naming the keys."""
     rc, _, err = _main(capsys, "train", "configs/tiny.yaml", "rollout.max_model_len=4096", "--dry-run")
@@ -119,7 +119,8 @@ def test_dry_run_refuses_what_the_engine_would_refuse_for_the_hybrid_moe(capsys)
         rc, _, err = _main(capsys, "train", "configs/tiny.yaml", "rollout.dtype=float32", "--dry-run")
         assert rc == 2 and "rollout.dtype" in err and "bfloat16" in err
     # the 32k-position shape with top-k 32,768 serves a 24k context exactly
-    rc, out, err = _main(capsys, "train", "configs/longhorizon_xl.yaml", "--dry-run")
+    # (a run directory of its own: the dry run also refuses one that holds a run with another config)
+    rc, out, err = _main(capsys, "train", "configs/longhorizon_xl.yaml", f"run_dir={tmp_path / 'xl'}", "--dry-run")
     assert rc == 0, err
     assert "engine: refused" not in out
 
