@@ -3,19 +3,22 @@
     .venv/bin/python scripts/bench_long.py --lengths 2048,4096,8192 [--model .cache/models/smollm2-135m-moe]
 
 For each length L (one episode of L random tokens, the loss on its last half) and each setting, a fresh
-subprocess builds the trainer, then runs one step: the `PolicyTrainer` update (ZeRO-1, fp32, AdamW) for the
-jointrl settings, and for the floor a bare transformers fwd + bwd + AdamW step with gradient checkpointing and
-the logprobs in 1,024-token tiles. Reported: the step's peak resident memory above the process once the
-model is loaded (Linux VmHWM, reset with /proc/self/clear_refs after loading), the whole process's peak
-(`total GB`: what the trainer is loaded with, a ZeRO-1 engine's flat fp32 copy included, plus the step), tokens/s (L / step time) and the
-step's CPU seconds (process time, all threads: on a shared machine it varies far less than the wall time).
+subprocess builds the trainer, then runs one step: the `PolicyTrainer` update (fp32, AdamW, the setting's ZeRO
+stage) for the jointrl settings, TRL's for `trl`, and for the floor a bare transformers fwd + bwd + AdamW step
+with gradient checkpointing and the logprobs in 1,024-token tiles. Reported: the step's peak resident memory
+above the process once the model is loaded (Linux VmHWM, reset with /proc/self/clear_refs after loading), the
+whole process's peak (`total GB`: what the trainer is loaded with, a ZeRO-1 engine's flat fp32 copy included,
+plus the step), tokens/s (L / step time) and the step's CPU seconds (process time, all threads: on a shared
+machine it varies far less than the wall time).
 
 Settings: `today` (full logits, no checkpointing, ZeRO-1: the trainer before these knobs), `tiles`
 (`trainer.logprob_tile_tokens=1024`), `checkpointing` (`trainer.activation_checkpointing=on`), `zero-auto`
 (`trainer.zero_stage=auto`: ZeRO-0 on this one rank), each alone on today's; `default` (tiles + checkpointing
 `auto` + ZeRO `auto`, the shipped config), `default-zero1` (the same on ZeRO-1), `all` (the default with
 checkpointing on + `trainer.max_tokens_per_micro_batch=L`; with one episode the budget changes nothing, it shows
-it costs nothing), `bare` (the floor).
+it costs nothing), `bare` (the floor), `trl` (TRL's `GRPOTrainer` loss, backward and AdamW step on the same
+episode with GRPOConfig's defaults, gradient checkpointing on, generation skipped; in TRL's own venv, which
+scripts/bench_trl.py builds on first use; not counted in `longest trainable`).
 
 A case whose resident memory passes --max-rss-gb is killed (the machine is shared) and reported as such; one
 that passes --timeout, or that leaves the machine less than --min-free-gb available (default 3), likewise.
@@ -39,7 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {
@@ -66,6 +71,21 @@ def _status_kb(field: str, pid: str = "self") -> int:
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+@contextmanager
+def _measured(L: int) -> Iterator[dict]:
+    """The block's figures, written into the dict it yields when the block ends: peak resident memory above the
+    process at its start (VmHWM reset) and of the whole process, tokens/s (L over the wall time), CPU seconds."""
+    base_kb = _status_kb("VmRSS")
+    _reset_peak()
+    t0, c0 = time.perf_counter(), time.process_time()
+    res: dict = {}
+    yield res
+    dt = time.perf_counter() - t0
+    hwm_kb = _status_kb("VmHWM")
+    res.update(peak_gb=(hwm_kb - base_kb) / 2**20, total_gb=hwm_kb / 2**20, tokens_per_s=L / dt, step_s=dt,
+               cpu_s=time.process_time() - c0, loaded_gb=base_kb / 2**20)
 
 
 def _episode_batch(L: int, vocab: int):
@@ -95,15 +115,10 @@ def _case_jointrl(model: str, L: int, setting: str) -> dict:
     tr = PolicyTrainer(model, TrainerSpec(lr=1e-6, micro_batch_size=1, routing_replay="off", **fields),
                        RLObjective())
     batch = _episode_batch(L, int(tr.module.config.vocab_size))
-    base_kb = _status_kb("VmRSS")
-    _reset_peak()
-    t0, c0 = time.perf_counter(), time.process_time()
-    m = tr.train_step(batch)
-    dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
-            "tokens_per_s": L / dt, "step_s": dt,
-            "cpu_s": time.process_time() - c0,
-            "loaded_gb": base_kb / 2**20, "loss": m.get("loss/total")}
+    with _measured(L) as res:
+        m = tr.train_step(batch)
+    res["loss"] = m.get("loss/total")
+    return res
 
 
 def _case_bare(model: str, L: int) -> dict:
@@ -118,22 +133,17 @@ def _case_bare(model: str, L: int) -> dict:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
     batch = _episode_batch(L, int(m.config.vocab_size))
     ids, mask = batch.input_ids_BT, batch.loss_mask_BT
-    base_kb = _status_kb("VmRSS")
-    _reset_peak()
-    t0, c0 = time.perf_counter(), time.process_time()
-    W = L - L // 2 + 1
-    with head_inputs(m) as (head, seen):
-        m(input_ids=ids, logits_to_keep=W)
-    lp = tiled_token_logprobs(head, seen[0], ids, 1024)
-    loss = -(lp * mask).sum() / mask.sum()
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
-            "tokens_per_s": L / dt, "step_s": dt,
-            "cpu_s": time.process_time() - c0,
-            "loaded_gb": base_kb / 2**20, "loss": float(loss)}
+    with _measured(L) as res:
+        W = L - L // 2 + 1
+        with head_inputs(m) as (head, seen):
+            m(input_ids=ids, logits_to_keep=W)
+        lp = tiled_token_logprobs(head, seen[0], ids, 1024)
+        loss = -(lp * mask).sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res["loss"] = float(loss)
+    return res
 
 
 def _case_trl(model: str, L: int) -> dict:
@@ -167,19 +177,15 @@ def _case_trl(model: str, L: int) -> dict:
     inputs = {"prompt_ids": ids[:, :half], "prompt_mask": torch.ones_like(ids[:, :half]),
               "completion_ids": ids[:, half:], "completion_mask": torch.ones_like(ids[:, half:]),
               "advantages": torch.tensor([1.0])}
-    base_kb = _status_kb("VmRSS")
-    _reset_peak()
-    t0, c0 = time.perf_counter(), time.process_time()
-    loss = tr.compute_loss(tr.model, inputs)
-    tr.accelerator.backward(loss)
-    torch.nn.utils.clip_grad_norm_(tr.model.parameters(), args.max_grad_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
-            "tokens_per_s": L / dt, "step_s": dt, "cpu_s": time.process_time() - c0,
-            "loaded_gb": base_kb / 2**20, "loss": float(loss),
-            "gradient_checkpointing": bool(args.gradient_checkpointing)}
+    with _measured(L) as res:
+        loss = tr.compute_loss(tr.model, inputs)
+        tr.accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_(tr.model.parameters(), args.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    res["loss"] = float(loss)
+    res["gradient_checkpointing"] = bool(args.gradient_checkpointing)
+    return res
 
 
 def _case_dsa(L: int, setting: str) -> dict:
@@ -196,16 +202,11 @@ def _case_dsa(L: int, setting: str) -> dict:
         layer.query_block = L
     x = torch.randn(1, L, cfg.hidden_size, requires_grad=True)
     cos, sin = RotaryEmbedding(cfg.rotary_dim, cfg.rope_parameters["rope_theta"])(torch.arange(L)[None], torch.float32)
-    base_kb = _status_kb("VmRSS")
-    _reset_peak()
-    t0, c0 = time.perf_counter(), time.process_time()
-    out, idx_loss = layer(x, cos, sin, compute_indexer_loss=True)
-    (out.square().mean() + idx_loss).backward()
-    dt = time.perf_counter() - t0
-    return {"peak_gb": (_status_kb("VmHWM") - base_kb) / 2**20, "total_gb": _status_kb("VmHWM") / 2**20,
-            "tokens_per_s": L / dt, "step_s": dt,
-            "cpu_s": time.process_time() - c0,
-            "loaded_gb": base_kb / 2**20, "loss": float(idx_loss)}
+    with _measured(L) as res:
+        out, idx_loss = layer(x, cos, sin, compute_indexer_loss=True)
+        (out.square().mean() + idx_loss).backward()
+    res["loss"] = float(idx_loss)
+    return res
 
 
 DSA_SETTINGS = ("sparse", "dense", "sparse-oneshot", "dense-oneshot")
